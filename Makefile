@@ -1,0 +1,37 @@
+# Two set-up commands: `make serve` and `make test`. Each creates .venv when needed and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.flashtier-installed
+SYS_STAMP := $(VENV)/.system-packages
+
+.PHONY: serve test test-fast venv system clean
+
+venv: $(STAMP)
+
+# redis-server and prometheus are real processes the tests start on loopback ports.
+$(SYS_STAMP):
+	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server prometheus >/dev/null; \
+	fi
+	@mkdir -p $(VENV) && touch $@
+
+# torch first and pinned: on a machine without CUDA, 2.13.0 is the CPU build on disk; an open range would
+# pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q torch==2.13.0 triton==3.8.0 numpy==2.4.6
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/flashtier serve
+
+test: $(STAMP) $(SYS_STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "slow and not gpu"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,54 @@
+"""KV byte accounting from the actual cache tensors (allocated on the meta device: no memory, no weights)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from flashtier.kvstore.layout import BlockLayout, KVGeometry, allocate_window_rings
+
+from .model.config import ModelConfig
+
+
+def kv_geometry(cfg: ModelConfig) -> KVGeometry:
+    return KVGeometry(
+        head_dim=cfg.head_dim,
+        index_head_dim=cfg.index_head_dim,
+        source_ratios=tuple(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids),
+        window=cfg.sliding_window,
+        n_window_layers=cfg.num_hidden_layers,
+        n_encoder_window_layers=cfg.n_encoder_layers,
+    )
+
+
+@dataclass(frozen=True)
+class KVAccounting:
+    global_bytes_per_token: float  # global KV (all streams, main + indexer K) per token
+    swa_bytes_per_slot: int  # one window slot of one layer
+    swa_bytes_per_sequence: int  # every layer's full window ring
+    snapshot_bytes: int  # encoder rings + ratio-2 partial groups (+ a partial tail block, not counted)
+    block_size: int
+    block_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_accounting(cfg: ModelConfig, block_size: int = 64) -> KVAccounting:
+    """Measure the cache tensors' byte sizes for ``cfg`` (meta tensors; nothing is allocated)."""
+    geo = kv_geometry(cfg)
+    layout = BlockLayout(geo, block_size)
+    pool = layout.allocate(1, device="meta")
+    rings = allocate_window_rings(geo, device="meta")
+    per_layer_ring = rings[0].numel() * rings.element_size()
+    n_partial = sum(1 for r in geo.source_ratios if r == 2)
+    # a ratio-2 partial group: one token's fp32 kv row and fp32 gate-score row
+    partial_bytes = n_partial * 2 * cfg.head_dim * 4
+    gbpt = pool.numel() * pool.element_size() / block_size
+    return KVAccounting(
+        global_bytes_per_token=int(gbpt) if gbpt == int(gbpt) else gbpt,
+        swa_bytes_per_slot=rings.shape[-1],
+        swa_bytes_per_sequence=rings.numel() * rings.element_size(),
+        snapshot_bytes=geo.n_encoder_window_layers * per_layer_ring + partial_bytes,
+        block_size=block_size,
+        block_bytes=pool.numel() * pool.element_size(),
+    )

@@ -1,0 +1,1 @@
+"""flashtier.engine.model."""

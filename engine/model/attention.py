@@ -1,0 +1,110 @@
+"""Attention of one layer: q LoRA, shared 512-latent K = V (MQA), partial RoPE, sink, grouped output.
+
+Parameter names follow the official checkpoint (``layers.L.attn.*``, model.md §4). This module owns
+the per-token projections; which keys a query sees (window ring, selected global entries) is
+assembled by the caller (the reference pass or the incremental path) and handed to
+``sparse_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashtier.kernels.quant_fp8 import fp8_qdq
+
+from .compressor import Compressor
+from .config import LayerRole, ModelConfig
+from .indexer import Indexer
+from .norm import RMSNorm
+from .rope import make_rope
+from .numerics import qdq, up
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x @ W^T in the weight's dtype, returned in fp32."""
+    w = layer.weight
+    return up(F.linear(x.to(w.dtype), w))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, dtype: torch.dtype):
+        super().__init__()
+        d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        g = cfg.o_groups
+        self.cfg, self.role = cfg, role
+        self.n_heads, self.head_dim, self.groups = h, hd, g
+        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * hd, bias=False, dtype=dtype)
+        self.wkv = nn.Linear(d, hd, bias=False, dtype=dtype)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(h * hd // g, g * cfg.o_lora_rank, bias=False, dtype=dtype)
+        self.wo_b = nn.Linear(g * cfg.o_lora_rank, d, bias=False, dtype=dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.compressor = Compressor(cfg, role.ratio, dtype) if role.role == "full" else None
+        self.indexer = (
+            Indexer(cfg, is_kv_source=role.role == "full", dtype=dtype)
+            if role.role in ("full", "reindex")
+            else None
+        )
+        # compressed layers rotate everything with the YaRN tables (model.md §3.9)
+        self.rope = make_rope(cfg, yarn=role.ratio > 0)
+        self.scale = hd**-0.5
+
+    def project_q(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [T, H, hd] (RoPE applied) and the shared LoRA activation qr [T, q_lora]."""
+        qr = self.q_norm(linear(h, self.wq_a))
+        q = linear(qr, self.wq_b).view(h.shape[0], self.n_heads, self.head_dim)
+        return self.rope.apply(q, pos), qr
+
+    def project_kv(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Window KV [T, hd]: normed latent, RoPE on the last channels, FP8 quantise-dequantise."""
+        kv = self.rope.apply(self.kv_norm(linear(h, self.wkv)), pos)
+        return qdq(fp8_qdq, kv)
+
+    def output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Undo the query rotation on o [T, H, hd], grouped low-rank wo_a, then wo_b -> [T, D]."""
+        t = o.shape[0]
+        o = self.rope.apply(o, pos, inverse=True).reshape(t, self.groups, -1)
+        wa = self.wo_a.weight.view(self.groups, -1, o.shape[-1])
+        y = up(torch.einsum("tgd,grd->tgr", o.to(wa.dtype), wa))
+        return linear(y.reshape(t, -1), self.wo_b)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    local_kv: torch.Tensor,
+    local_mask: torch.Tensor,
+    global_kv: torch.Tensor | None,
+    global_mask: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One softmax over (window keys + selected global entries) plus a per-head sink; K = V.
+
+    q [T, H, D]; local_kv [K, D] shared by all queries with local_mask [T, K]; global_kv [T, S, D]
+    per query with global_mask [T, S]. Per (token, head)::
+
+        o = sum_t e^(s_t - m) KV_t / (sum_t e^(s_t - m) + e^(sink - m)),  s_t = scale * q . KV_t
+
+    Returns o [T, H, D] fp32. A query with no visible key returns 0 (all mass on the sink).
+    """
+    q = up(q)
+    s_loc = torch.einsum("thd,kd->thk", q, up(local_kv)) * scale
+    s_loc = s_loc.masked_fill(~local_mask[:, None, :], float("-inf"))
+    parts = [s_loc]
+    if global_kv is not None:
+        s_glob = torch.einsum("thd,tsd->ths", q, up(global_kv)) * scale
+        parts.append(s_glob.masked_fill(~global_mask[:, None, :], float("-inf")))
+    s = torch.cat(parts, dim=-1)
+    sink_b = up(sink)[None, :, None].expand(s.shape[0], -1, 1)
+    m = torch.maximum(s.amax(-1, keepdim=True), sink_b)
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True) + torch.exp(sink_b - m)
+    k_loc = local_kv.shape[0]
+    o = torch.einsum("thk,kd->thd", p[..., :k_loc], up(local_kv))
+    if global_kv is not None:
+        o = o + torch.einsum("ths,tsd->thd", p[..., k_loc:], up(global_kv))
+    return o / denom

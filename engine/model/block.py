@@ -1,0 +1,70 @@
+"""One backbone layer's parameters (``layers.L.*``) and its per-token pieces.
+
+A block is two sub-layers with single-pass mHC: the ``pre`` (input-collapse) coefficients are produced
+by one sub-layer and consumed by the next (model.md §3.2)::
+
+    a = mixes_attn(x);  f = attn(attn_norm(hc_pre(x, pre_in)));  x = hc_post(f, x, a)
+    b = mixes_ffn(x);   g = ffn(ffn_norm(hc_pre(x, a.pre)));      x = hc_post(g, x, b)
+    return x, b.pre
+
+The attention core (which keys a query sees) is supplied by ``layer_forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .config import LayerRole, ModelConfig
+from .engram import Engram
+from .mhc import HcMix, hc_mixes, hc_post, hc_pre
+from .moe import MoE
+from .norm import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        role: LayerRole,
+        dtype: torch.dtype,
+        n_experts: int | None = None,
+        top_k: int | None = None,
+    ):
+        super().__init__()
+        hc, d = cfg.hc_mult, cfg.hidden_size
+        n_mix = (2 + hc) * hc
+        self.cfg, self.role = cfg, role
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, role, dtype)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg, n_experts or cfg.n_routed_experts, top_k or cfg.num_experts_per_tok, dtype)
+        for sub in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.zeros(n_mix, hc * d)))
+            self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros(n_mix)))
+            self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
+        self.engram = Engram(cfg, role.index, dtype) if role.index in cfg.engram_layer_ids else None
+
+    def _mix(self, x: torch.Tensor, sub: str) -> HcMix:
+        cfg = self.cfg
+        return hc_mixes(
+            x,
+            getattr(self, f"hc_{sub}_fn"),
+            getattr(self, f"hc_{sub}_base"),
+            getattr(self, f"hc_{sub}_scale"),
+            norm_eps=cfg.rms_norm_eps,
+            hc_eps=cfg.hc_eps,
+            sinkhorn_iters=cfg.hc_sinkhorn_iters,
+        )
+
+    def attn_input(self, x: torch.Tensor, pre_in: torch.Tensor) -> tuple[torch.Tensor, HcMix]:
+        """The attention input h [T, D] (normed collapse of the streams) and this sub-layer's mix."""
+        return self.attn_norm(hc_pre(x, pre_in)), self._mix(x, "attn")
+
+    def finish(self, f: torch.Tensor, x: torch.Tensor, amix: HcMix) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual update with the attention output f, then the FFN sub-layer -> (x, pre_out)."""
+        x = hc_post(f, x, amix)
+        fmix = self._mix(x, "ffn")
+        g = self.ffn(self.ffn_norm(hc_pre(x, amix.pre)))
+        return hc_post(g, x, fmix), fmix.pre

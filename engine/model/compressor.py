@@ -1,0 +1,75 @@
+"""The KV compressor of a global-KV source layer: m tokens -> one 512-latent entry (model.md §3.4).
+
+- ratio 1 (layer 20, the CED decoder's KV): ``latent_t = RMSNorm(wkv(x_t))``, no gate.
+- ratio 2 (layers 2, 8, 14): ``kv = wkv(x)``, ``z = wgate(x)`` in fp32; entry g pools tokens
+  {2g, 2g+1} with a per-CHANNEL softmax over the group: ``RMSNorm(sum_t softmax_t(z[t, c]) kv[t, c])``.
+  Groups do not overlap; a trailing odd token waits in ``PartialGroup`` for its partner.
+
+Entry j is rotated at position ``j * ratio`` and stored FP4 (main KV); its indexer K comes from the
+PRE-RoPE latent (see ``Indexer.project_k``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .norm import RMSNorm
+from .numerics import up
+
+
+@dataclass
+class PartialGroup:
+    """A ratio-2 group's first token, waiting for the second: its fp32 kv and gate score rows."""
+
+    kv: torch.Tensor  # [hd] fp32
+    score: torch.Tensor  # [hd] fp32
+    position: int
+
+
+class Compressor(nn.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype):
+        super().__init__()
+        if ratio not in (1, 2):
+            raise ValueError(f"compressor ratio must be 1 or 2, got {ratio}")
+        self.ratio = ratio
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.wkv = nn.Linear(d, hd, bias=False, dtype=dtype)
+        self.wgate = nn.Linear(d, hd, bias=False, dtype=dtype) if ratio == 2 else None
+        self.norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def latents(
+        self, h: torch.Tensor, pos: torch.Tensor, partial: PartialGroup | None
+    ) -> tuple[torch.Tensor, torch.Tensor, PartialGroup | None]:
+        """Entries completed by tokens h [T, D] at consecutive positions pos [T].
+
+        Returns (latents [G, hd] pre-RoPE fp32, entry indices [G], the new partial group). For
+        ratio 2 a chunk starting at an odd position needs the partial group of its predecessor;
+        a missing or mismatched partial group is an internal error (assert).
+        """
+        if self.ratio == 1:
+            w = self.wkv.weight
+            return self.norm(up(F.linear(h.to(w.dtype), w))), pos.clone(), None
+        kv = F.linear(up(h), up(self.wkv.weight))
+        z = F.linear(up(h), up(self.wgate.weight))
+        start = int(pos[0]) if pos.numel() else 0
+        if start % 2:
+            assert partial is not None and partial.position == start - 1, "ratio-2 group lost its first token"
+            kv = torch.cat((partial.kv[None], kv))
+            z = torch.cat((partial.score[None], z))
+            start -= 1
+        elif partial is not None:
+            raise AssertionError("partial group present at an even start position")
+        n_full = kv.shape[0] // 2
+        new_partial = None
+        if kv.shape[0] % 2:
+            new_partial = PartialGroup(kv[-1].clone(), z[-1].clone(), start + kv.shape[0] - 1)
+        kv = kv[: 2 * n_full].view(n_full, 2, kv.shape[-1])
+        z = z[: 2 * n_full].view(n_full, 2, z.shape[-1])
+        pooled = (torch.softmax(z, dim=1) * kv).sum(1)
+        entries = torch.arange(n_full, device=h.device) + start // 2
+        return self.norm(pooled), entries, new_partial

@@ -1,0 +1,72 @@
+"""Manifold-constrained hyper-connections (mHC): 4 residual streams, Sinkhorn-projected mixing.
+
+Per sub-layer parameters ``fn [(2+hc)*hc, hc*D]``, ``base [(2+hc)*hc]``, ``scale [3]`` (model.md §3.2)::
+
+    m     = (flat(x) @ fn^T) * rsqrt(mean(flat(x)^2) + eps)     one RMS statistic over all streams
+    pre   = sigmoid(m[0:hc]   * s0 + b[0:hc]) + hc_eps          input collapse (used by the NEXT sub-layer)
+    post  = 2 * sigmoid(m[hc:2hc] * s1 + b[hc:2hc])             how much of f each stream receives
+    C     = Sinkhorn(softmax_row(m[2hc:] * s2 + b[2hc:]))       [hc, hc] stream mixing, row j = source
+
+All math is fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from .numerics import up
+
+
+@dataclass(frozen=True)
+class HcMix:
+    """The mixing coefficients one sub-layer produced for each token."""
+
+    pre: torch.Tensor  # [T, hc]
+    post: torch.Tensor  # [T, hc]
+    comb: torch.Tensor  # [T, hc, hc]
+
+
+def hc_mixes(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> HcMix:
+    """Coefficients from the residual streams ``x`` [T, hc, D]."""
+    t, hc, d = x.shape
+    flat = up(x).reshape(t, hc * d)
+    m = (flat @ up(fn).t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    b = up(base)
+    s = up(scale)
+    pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * s[1] + b[hc : 2 * hc])
+    c = torch.softmax((m[:, 2 * hc :] * s[2] + b[2 * hc :]).view(t, hc, hc), dim=-1) + hc_eps
+    c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + hc_eps)
+        c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    return HcMix(pre, post, c)
+
+
+def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse the streams: sum_j pre[j] * x[j] -> [T, D] fp32."""
+    return (pre[..., None] * up(x)).sum(-2)
+
+
+def hc_post(f: torch.Tensor, x: torch.Tensor, mix: HcMix) -> torch.Tensor:
+    """Residual update: y[k] = post[k] * f + sum_j C[j, k] * x[j] -> [T, hc, D] fp32."""
+    return mix.post[..., None] * up(f)[:, None, :] + torch.einsum("tjk,tjd->tkd", mix.comb, up(x))
+
+
+def identity_pre(
+    t: int, hc: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The initial collapse: stream 0 only ([T, hc] one-hot)."""
+    pre = torch.zeros(t, hc, dtype=dtype, device=device)
+    pre[:, 0] = 1.0
+    return pre

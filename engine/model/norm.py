@@ -1,0 +1,20 @@
+"""RMSNorm with fp32 math (model.md §6b: norm weights kept fp32, math in fp32)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from .numerics import up
+
+
+class RMSNorm(nn.Module):
+    """y = x * rsqrt(mean(x^2) + eps) * weight, computed in fp32, returned in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = up(x)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * up(self.weight)

@@ -1,0 +1,87 @@
+"""FP4 e2m1 codes: rounding, decoding and nibble packing, in torch and in Triton.
+
+Code layout (4 bits): bit 3 = sign, bits 0-2 = magnitude index into E2M1_VALUES = {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+The index is also the e2m1 bit pattern (2 exponent bits, 1 mantissa bit), so an "even code" has mantissa 0.
+
+Rounding (used by both FP4 formats, as the model's TileLang quantiser does): round to nearest, ties to the
+even code, saturating at 6. Per magnitude ``a = |x / s|``:
+
+    a <= 0.25 -> 0      0.25 < a < 0.75 -> 0.5    0.75 <= a <= 1.25 -> 1    1.25 < a < 1.75 -> 1.5
+    1.75 <= a <= 2.5 -> 2    2.5 < a < 3.5 -> 3    3.5 <= a <= 5 -> 4    a > 5 -> 6
+
+i.e. the ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to 0, 1, 1, 2, 2, 4, 4. The sign bit is set iff the
+input x < 0: -0.0 gives code 0, while -0.1 that rounds to zero gives code 8 ("negative zero", decoded as -0.0).
+Non-finite inputs are outside the contract.
+
+Packing: two codes per byte, the EVEN element in the LOW nibble: ``byte[i] = code[2i] | code[2i+1] << 4``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+
+
+def e2m1_codes(q: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes of fp32 ``q`` (already divided by its scale); ``negative`` sets the sign bit.
+
+    Each comparison adds one step up the value table; ">" at a midpoint leaves the tie on the lower
+    (even) code, ">=" sends it to the upper (even) code.
+    """
+    a = q.abs()
+    index = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
+    return index | (negative.to(torch.uint8) << 3)
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 value of each e2m1 code (uint8 in [0, 15]); code 8 decodes to -0.0."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitude = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., D]`` codes -> ``[..., D // 2]`` bytes, even index in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., D // 2]`` bytes -> ``[..., D]`` codes (inverse of :func:`pack_nibbles`)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+@triton.jit
+def _e2m1_code(q, negative):
+    """int32 e2m1 codes of fp32 ``q``; ``negative`` (bool) sets bit 3. Same comparisons as :func:`e2m1_codes`."""
+    a = tl.abs(q)
+    index = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    return index | (negative.to(tl.int32) << 3)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """fp32 value of int32 e2m1 codes: index i -> i / 2 for i <= 4, then 3, 4, 6."""
+    i = code & 7
+    magnitude = tl.where(i <= 4, i.to(tl.float32) * 0.5, (i - 2).to(tl.float32))
+    magnitude = tl.where(i == 7, 6.0, magnitude)
+    return tl.where((code & 8) != 0, -magnitude, magnitude)

@@ -1,0 +1,93 @@
+"""Shared plumbing for the quantisation ops: impl dispatch, argument checks, row flattening.
+
+Every quantisation op validates its arguments here (``ValueError`` naming the argument and its shape),
+then picks an implementation with :func:`resolve_impl`. Nothing here holds state.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+IMPLS = ("auto", "reference", "triton")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_impl(impl: str, t: torch.Tensor, op: str) -> str:
+    """Return "reference" or "triton" for ``impl`` ("auto" = triton when ``t`` is on CUDA, else reference)."""
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if t.is_cuda else "reference"
+    # Triton reads TRITON_INTERPRET the same way when a kernel module is imported; without it a CPU
+    # tensor cannot reach a kernel, and Triton's own error would not say why.
+    if impl == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"{op}: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); "
+            f"got a tensor on {t.device}. Use impl='reference' or impl='auto'."
+        )
+    return impl
+
+
+def check_float_input(x: torch.Tensor, name: str, op: str, block: int) -> None:
+    """Check that ``x`` is a float tensor ``[..., D]`` with ``D`` a positive multiple of ``block``."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: {name} must be float32, bfloat16 or float16, got {x.dtype} (shape {tuple(x.shape)})")
+    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % block != 0:
+        raise ValueError(
+            f"{op}: {name} must have shape [..., D] with D a positive multiple of {block}, got shape {tuple(x.shape)}"
+        )
+
+
+def check_last_dim(t: torch.Tensor, name: str, op: str, multiple: int) -> int:
+    """Return the last dimension of ``t`` after checking it is a positive multiple of ``multiple``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == 0 or t.shape[-1] == 0 or t.shape[-1] % multiple != 0:
+        raise ValueError(
+            f"{op}: {name} must have shape [..., n] with n a positive multiple of {multiple}, got {tuple(t.shape)}"
+        )
+    return t.shape[-1]
+
+
+def check_byte_tensor(t: torch.Tensor, name: str, op: str, last_dim: int, lead: torch.Size) -> None:
+    """Check that ``t`` is uint8 with shape ``[*lead, last_dim]``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.uint8:
+        raise ValueError(f"{op}: {name} must be uint8 raw bytes, got {t.dtype} (shape {tuple(t.shape)})")
+    expected = (*lead, last_dim)
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{op}: {name} must have shape {expected}, got {tuple(t.shape)}")
+
+
+def check_out_dtype(dtype: torch.dtype, op: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype}")
+
+
+def check_same_device(a: torch.Tensor, b: torch.Tensor, names: str, op: str) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{op}: {names} must be on one device, got {a.device} and {b.device}")
+
+
+def check_record(rec: torch.Tensor, d: int, block: int, data_bytes: int, scale_bytes: int, op: str) -> None:
+    """Check ``d`` and a packed record tensor ``uint8[..., data_bytes + scale_bytes]``."""
+    if d <= 0 or d % block != 0:
+        raise ValueError(f"{op}: D must be a positive multiple of {block}, got {d}")
+    record_bytes = data_bytes + scale_bytes
+    if not isinstance(rec, torch.Tensor) or rec.dtype != torch.uint8 or rec.dim() == 0:
+        raise ValueError(f"{op}: rec must be a uint8 tensor [..., {record_bytes}]")
+    if rec.shape[-1] != record_bytes:
+        raise ValueError(
+            f"{op}: rec must have shape [..., {record_bytes}] for D={d} ({data_bytes} data bytes + "
+            f"{scale_bytes} scale bytes), got {tuple(rec.shape)}"
+        )
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as a contiguous 2-D ``[rows, last]`` tensor (copies only if ``t`` is not contiguous)."""
+    return t.reshape(-1, t.shape[-1]).contiguous()

@@ -1,0 +1,1 @@
+"""flashtier.kvstore."""
