@@ -33,7 +33,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Union
+from typing import Any
 
 __all__ = [
     "CALLS_CLOSE",
@@ -102,7 +102,7 @@ class ToolCallEnd:
     index: int
 
 
-Event = Union[ReasoningDelta, ContentDelta, ToolCallStart, ToolCallArgsDelta, ToolCallEnd]
+Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +136,7 @@ def _identity(text: str) -> str:
     return text
 
 
-def render_tool_calls(
-    calls: Iterable[tuple[str, Mapping[str, Any]]], escape: Callable[[str], str] = _identity
-) -> str:
+def render_tool_calls(calls: Iterable[tuple[str, Mapping[str, Any]]], escape: Callable[[str], str] = _identity) -> str:
     """The `<｜DSML｜ calls>` block (without the leading separator) for (name, arguments) pairs.
 
     A str value is written raw with string="true"; anything else as JSON with string="false". `escape` is
@@ -151,9 +149,8 @@ def render_tool_calls(
         for key, value in arguments.items():
             is_str = isinstance(value, str)
             text = value if is_str else json.dumps(value, ensure_ascii=False)
-            params.append(
-                f'{PARAM_OPEN} name="{escape(key)}" string="{"true" if is_str else "false"}">{escape(text)}{PARAM_CLOSE}'
-            )
+            flag = "true" if is_str else "false"
+            params.append(f'{PARAM_OPEN} name="{escape(key)}" string="{flag}">{escape(text)}{PARAM_CLOSE}')
         invokes.append(f'{INVOKE_OPEN} name="{escape(name)}">\n' + "\n".join(params) + f"\n{INVOKE_CLOSE}")
     return f"{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
 
@@ -382,9 +379,7 @@ def _coalesce(events: list[Event]) -> list[Event]:
     return merged
 
 
-def parse_completion(
-    text: str, thinking: bool, tools_enabled: bool, *, id_seed: str | None = None
-) -> ParsedCompletion:
+def parse_completion(text: str, thinking: bool, tools_enabled: bool, *, id_seed: str | None = None) -> ParsedCompletion:
     """Non-streaming parse of a whole completion: the same rules as feeding it to `DsmlStreamParser`."""
     parser = DsmlStreamParser(thinking, tools_enabled, id_seed=id_seed)
     events = parser.feed(text) + parser.finish()

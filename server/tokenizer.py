@@ -162,12 +162,16 @@ class Tokenizer:
         """
         if allow_special or self._added_re is None or self._added_re.search(text) is None:
             return self._tk.encode(text, add_special_tokens=False).ids
-        # The added-token split is the first stage of `Tokenizer.encode`; skipping it means running the
-        # remaining stages (no normalizer here, the pre-tokenizer, then BPE) directly, piece by piece.
-        ids: list[int] = []
+        return self._encode_without_added_tokens(text)
+
+    def _encode_without_added_tokens(self, text: str) -> list[int]:
+        """The stages of `tokenizers.Tokenizer.encode` after its added-token split: normalizer (none in the
+        DeepSeek files), pre-tokenizer, then BPE on each piece. Same ids as `encode` for text without
+        control-token substrings; those substrings come out as ordinary characters."""
         normalizer = self._tk.normalizer
         if normalizer is not None:
             text = normalizer.normalize_str(text)
+        ids: list[int] = []
         for piece, _ in self._tk.pre_tokenizer.pre_tokenize_str(text):
             ids.extend(tok.id for tok in self._tk.model.tokenize(piece))
         return ids

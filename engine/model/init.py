@@ -61,7 +61,13 @@ def snap_to_formats(model: Transformer) -> Transformer:
 
 
 def random_model(cfg, *, seed: int = 0, dtype: torch.dtype = torch.float32, with_dspark: bool = True) -> Transformer:
-    """A model with seeded random weights already snapped to the checkpoint formats."""
+    """A model with seeded random weights already snapped to the checkpoint formats.
+
+    ``dtype=torch.float64`` gives the exactness-test mode: every parameter and all math in float64
+    (see numerics.py).
+    """
     model = Transformer(cfg, dtype=dtype, with_dspark=with_dspark)
+    if dtype == torch.float64:
+        model = model.double()
     init_random_(model, seed)
     return snap_to_formats(model).eval()

@@ -26,13 +26,14 @@ def rope_frequencies(cfg: ModelConfig, yarn: bool) -> torch.Tensor:
     """Per-pair inverse frequencies [rope_dim/2] (fp32)."""
     dim = cfg.qk_rope_head_dim
     base = cfg.compress_rope_theta if yarn else cfg.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # explicit CPU: a model built under torch.device("meta") still needs real tables
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     if yarn and cfg.max_position_embeddings > cfg.original_seq_len:
         low = max(math.floor(_yarn_correction_dim(cfg.beta_fast, dim, base, cfg.original_seq_len)), 0)
         high = min(math.ceil(_yarn_correction_dim(cfg.beta_slow, dim, base, cfg.original_seq_len)), dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
         smooth = 1 - ramp  # 1 = keep the original (high) frequency, 0 = interpolate by the factor
         freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
     return freqs.to(torch.float32)

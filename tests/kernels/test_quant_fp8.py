@@ -1,0 +1,169 @@
+"""quant_fp8: reference vs Triton byte identity, hand-derived bytes, round trip, validation."""
+
+import pytest
+import torch
+
+from flashtier.kernels.quant_fp8 import (
+    FP8_RECORD_BYTES,
+    dequantize_fp8,
+    fp8_qdq,
+    pack_fp8_record,
+    quantize_fp8,
+    unpack_fp8_record,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+SHAPES = [(1, 32), (3, 32), (17, 512), (130, 32), (1, 512), (2, 65, 64), (4, 3, 512)]
+SCALES = [1e-6, 1.0, 1e3]
+
+
+def assert_same_bytes(name: str, ref: torch.Tensor, tri: torch.Tensor) -> None:
+    """Bit-identical, except that two NaNs count as equal."""
+    assert ref.shape == tri.shape and ref.dtype == tri.dtype, f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}/{tri.dtype}"
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[ref.element_size()]
+    a, b = ref.contiguous().view(int_dtype), tri.contiguous().view(int_dtype)
+    bad = a != b
+    if ref.is_floating_point():
+        bad &= ~(ref.isnan() & tri.isnan())
+    if bad.any():
+        i = int(bad.flatten().nonzero()[0])
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {bad.numel()} elements differ; first at flat index {i}: "
+            f"ref {a.flatten()[i].item():#x} tri {b.flatten()[i].item():#x}"
+        )
+
+
+def check_impls_agree(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, scales = quantize_fp8(x, impl="reference")
+    t_codes, t_scales = quantize_fp8(x, impl="triton")
+    assert_same_bytes("codes", codes, t_codes)
+    assert_same_bytes("scales", scales, t_scales)
+    assert_same_bytes("qdq", fp8_qdq(x, impl="reference"), fp8_qdq(x, impl="triton"))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ref = dequantize_fp8(codes, scales, dtype, impl="reference")
+        assert_same_bytes(f"dequantize {dtype}", ref, dequantize_fp8(codes, scales, dtype, impl="triton"))
+    return codes, scales
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=lambda s: f"scale{s:g}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_random_reference_matches_triton(shape, scale):
+    check_impls_agree(torch.randn(shape) * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_match_fp32_of_same_values(dtype):
+    x = (torch.randn(17, 512) * 3).to(dtype)
+    codes, scales = check_impls_agree(x)
+    f_codes, f_scales = quantize_fp8(x.float())
+    assert torch.equal(codes, f_codes) and torch.equal(scales, f_scales)
+
+
+def edge_blocks() -> dict[str, torch.Tensor]:
+    """Named [rows, 64] inputs hitting the corners of the format."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite e4m3 >= 0
+    mids = (grid[1:] + grid[:-1]) / 2  # the exact ties
+    vals = torch.cat([grid, mids, torch.nextafter(mids, torch.zeros(1)), torch.nextafter(mids, torch.full((1,), 1e9))])
+    vals = torch.cat([vals, -vals, torch.tensor([-0.0, 1e-40, -1e-40, 2**-149])])
+    vals = torch.cat([vals, torch.zeros(-vals.numel() % 63)]).reshape(-1, 63)
+    ties = torch.cat([torch.full((vals.shape[0], 1), 448.0), vals], dim=1)  # amax 448 -> s = 1: x / s = x
+    huge = torch.randn(5, 64) * 1e-3
+    huge[:, 7] = torch.tensor([1e30, -3e38, 448.5, 1e6, -1e6])
+    tiny = torch.tensor([0.0, 1e-5, 9.9e-5, 1e-4, 1.0001e-4, 1.1e-4, 2e-4, 1e-38]).repeat_interleave(64).reshape(8, 64)
+    tiny = tiny * torch.linspace(-1, 1, 64)
+    exps = torch.exp2(torch.randint(-60, 60, (64, 1)).float()) * torch.randn(64, 64)
+    return {
+        "zeros": torch.zeros(3, 64),
+        "neg_zeros": torch.full((3, 64), -0.0),
+        "grid_and_ties": ties,
+        "huge_element": huge,
+        "tiny_amax": tiny,
+        "wide_exponents": exps,
+        "plus_minus_448": torch.tensor([448.0, -448.0]).repeat(3, 32),
+    }
+
+
+@pytest.mark.parametrize("name", list(edge_blocks()))
+def test_edge_inputs_reference_matches_triton(name):
+    check_impls_agree(edge_blocks()[name])
+
+
+def test_hand_derived_bytes():
+    x = torch.zeros(4, 32)
+    x[0, :5] = torch.tensor([448.0, 1.0, -1.0, 0.5, -0.0])
+    x[1, 0] = 449.0
+    x[2, 0] = 1.0  # amax 1: s = 2^ceil(log2(1/448)) = 2^-8
+    codes, scales = quantize_fp8(x)
+    assert scales[:, 0].tolist() == [127, 128, 119, 105]  # row 3: amax floor 1e-4 -> s = 2^-22
+    assert codes[0, :5].tolist() == [0x7E, 0x38, 0xB8, 0x30, 0x80]
+    assert codes[1, 0].item() == 0x76  # 449 / 2 = 224.5 -> 224 = 2^7 * 1.75: exponent 14, mantissa 6
+    assert codes[2, 0].item() == 0x78  # 1 / 2^-8 = 256 = 2^8: exponent 15, mantissa 0
+    assert codes[3].eq(0).all()
+    for impl in ("reference", "triton"):
+        assert torch.equal(quantize_fp8(x, impl=impl)[0], codes)
+
+
+def test_round_trip_error_within_half_step():
+    x = torch.randn(64, 512) * torch.exp2(torch.randint(-20, 20, (64, 1)).float())
+    codes, scales = quantize_fp8(x)
+    s = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
+    err = (dequantize_fp8(codes, scales) - x).abs()
+    # e4m3 has 3 mantissa bits: half a step is <= 2^-4 |x| in the normal range, 2^-10 s among subnormals.
+    assert (err <= torch.maximum(x.abs() * 2**-4, s * 2**-10)).all()
+
+
+def test_qdq_is_idempotent():
+    x = torch.randn(130, 512) * torch.exp2(torch.randint(-30, 30, (130, 1)).float())
+    once = fp8_qdq(x)
+    assert torch.equal(fp8_qdq(once).view(torch.int32), once.view(torch.int32))
+    assert torch.equal(fp8_qdq(once, impl="triton").view(torch.int32), once.view(torch.int32))
+
+
+def test_records_and_layout():
+    assert FP8_RECORD_BYTES(512) == 528 and FP8_RECORD_BYTES(32) == 33
+    x = torch.randn(2, 5, 512)
+    codes, scales = quantize_fp8(x)
+    rec = pack_fp8_record(codes, scales)
+    assert rec.shape == (2, 5, 528) and rec.dtype == torch.uint8
+    assert torch.equal(rec[..., :512], codes) and torch.equal(rec[..., 512:], scales)
+    c2, s2 = unpack_fp8_record(rec, 512)
+    assert torch.equal(c2, codes) and torch.equal(s2, scales)
+    for impl in ("reference", "triton"):  # non-contiguous record views decode the same
+        assert torch.equal(dequantize_fp8(c2, s2, impl=impl), dequantize_fp8(codes, scales))
+
+
+def test_empty_and_non_contiguous_inputs():
+    for impl in ("reference", "triton"):
+        codes, scales = quantize_fp8(torch.randn(0, 64), impl=impl)
+        assert codes.shape == (0, 64) and scales.shape == (0, 2)
+    x = torch.randn(64, 40).t()  # [40, 64], not contiguous
+    assert_same_bytes("codes", quantize_fp8(x, impl="reference")[0], quantize_fp8(x.contiguous(), impl="triton")[0])
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: quantize_fp8(torch.randn(4, 48)), "multiple of 32"),
+        (lambda: quantize_fp8(torch.randn(4, 0)), "multiple of 32"),
+        (lambda: quantize_fp8(torch.tensor(1.0)), "multiple of 32"),
+        (lambda: quantize_fp8(torch.randn(4, 32, dtype=torch.float64)), "float32"),
+        (lambda: quantize_fp8(torch.ones(4, 32, dtype=torch.int32)), "float32"),
+        (lambda: quantize_fp8(torch.randn(4, 32), impl="cuda"), "impl"),
+        (lambda: dequantize_fp8(torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 1, dtype=torch.uint8)), "uint8"),
+        (lambda: dequantize_fp8(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)), r"\(4, 1\)"),
+        (lambda: dequantize_fp8(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), torch.float64), "dtype"),
+        (lambda: unpack_fp8_record(torch.zeros(4, 527, dtype=torch.uint8), 512), "528"),
+        (lambda: unpack_fp8_record(torch.zeros(4, 33, dtype=torch.uint8), 33), "multiple of 32"),
+        (lambda: FP8_RECORD_BYTES(500), "multiple of 32"),
+    ],
+)
+def test_validation_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA"):
+        quantize_fp8(torch.randn(1, 32), impl="triton")
