@@ -26,12 +26,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
+# Until the HTTP server lands, the demo shows the model: its layer table, KV accounting and a completion.
 serve: $(STAMP)
-	$(VENV)/bin/flashtier serve
+	$(VENV)/bin/flashtier inspect --preset tiny
+	$(VENV)/bin/flashtier generate --preset tiny --prompt "Hello from flashtier" --max-tokens 16
 
 test: $(STAMP) $(SYS_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu"
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "slow and not gpu"
+	@# exit code 5 = no test carries the marker yet
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "slow and not gpu" || [ $$? -eq 5 ]
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -84,4 +84,5 @@ def _e2m1_to_f32(code):
     i = code & 7
     magnitude = tl.where(i <= 4, i.to(tl.float32) * 0.5, (i - 2).to(tl.float32))
     magnitude = tl.where(i == 7, 6.0, magnitude)
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    # The sign goes in as a bit, so code 8 gives -0.0 (Triton before 3.8 compiles `-v` as `0 - v`).
+    return (magnitude.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)

@@ -107,7 +107,8 @@ def _e4m3_to_f32(code):
     man = mag & 7
     normal = tl.where(mag == 0x7F, 0x7FC00000, ((exp + 120) << 23) | (man << 20))
     value = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
-    return tl.where((code & 0x80) != 0, -value, value)
+    # The sign goes in as a bit: Triton before 3.8 compiles `-v` as `0 - v`, which turns -0.0 into +0.0.
+    return (value.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

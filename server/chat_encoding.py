@@ -1,14 +1,13 @@
 """OpenAI chat messages -> DeepSeek V4.1 prompt text (a pure function; `encode_to_ids` also tokenizes).
 
-The layout, for a system prompt, tools, thinking mode and one earlier tool-using turn:
+The layout, for a system prompt, tools, thinking mode and one earlier tool-using turn, in the pieces that
+are joined (`\\n` is a newline; there are no other line breaks; the effort line is shortened):
 
-    (line breaks added for reading, except the blank lines)
-    <｜begin▁of▁sentence｜><SYS>Reasoning Effort: 75 (range 1-100, higher values request more thorough reasoning)
-    (blank line)
-    {system}(blank line)## Tools ... {one JSON schema per line} ...
-    <｜User｜>{user}<｜Assistant｜><think>{reasoning}</think>{content}\\n\\n<｜DSML｜ calls>...</｜DSML｜ calls>
-    <｜end▁of▁sentence｜>
-    <｜User｜><tool_result>{result 1}</tool_result>\\n\\n<tool_result>{result 2}</tool_result><｜Assistant｜><think>
+    <｜begin▁of▁sentence｜> <SYS> Reasoning Effort: 75 (range 1-100, higher values request ...)\\n\\n
+    {system} \\n\\n ## Tools ...one JSON schema per line...\\n
+    <｜User｜> {user} <｜Assistant｜><think>
+    {reasoning} </think> {content} \\n\\n <｜DSML｜ calls>\\n...</｜DSML｜ calls> <｜end▁of▁sentence｜>
+    <｜User｜> <tool_result>{result 1}</tool_result> \\n\\n <tool_result>{result 2}</tool_result> <｜Assistant｜><think>
 
 <SYS> is `<｜System｜>` in the V4.1 tokenizer; the shipped V4 tokenizer lacks it, so `<｜begin▁sys｜>` stands in
 (see `Tokenizer.system_marker`). Without thinking, the effort line is absent and every assistant header
@@ -46,6 +45,7 @@ __all__ = [
     "encode_to_ids",
     "escape_control_text",
     "reasoning_effort_value",
+    "render_tools_block",
 ]
 
 USER = "<｜User｜>"

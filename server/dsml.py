@@ -242,7 +242,11 @@ class DsmlStreamParser:
         self._finished = False
         self._buf = ""  # text the current mode holds (partial marker, unfinished invoke, whitespace)
         self._block_raw = ""  # separator + CALLS_OPEN until the first invoke parses (for the fallback)
-        self._search_from = 0  # where to resume looking for INVOKE_CLOSE in _buf
+        # While an invoke is open, new text is only appended to a list and checked for INVOKE_CLOSE
+        # (with the tail of the text before it), so a long argument costs linear time, not quadratic.
+        self._waiting = False
+        self._pending: list[str] = []
+        self._tail = ""
         self._num_calls = 0
 
     @property
@@ -274,6 +278,7 @@ class DsmlStreamParser:
         self._consume(self._eos_hold, out)
         self._eos_hold = ""
         self._finished = True
+        self._unwait()
         buf, self._buf = self._buf, ""
         if self._mode is _Mode.REASONING and buf:
             out.append(ReasoningDelta(buf))
@@ -287,9 +292,21 @@ class DsmlStreamParser:
     # ---- the mode machine -------------------------------------------------------------------------------
 
     def _consume(self, text: str, out: list[Event]) -> None:
+        if self._waiting:
+            window = self._tail + text
+            if INVOKE_CLOSE not in window:
+                self._pending.append(text)
+                self._tail = window[-(len(INVOKE_CLOSE) - 1) :]
+                return
+            self._unwait()
         self._buf += text
         while self._step(out):
             pass
+
+    def _unwait(self) -> None:
+        self._buf += "".join(self._pending)
+        self._pending.clear()
+        self._waiting = False
 
     def _step(self, out: list[Event]) -> bool:
         """Make one transition on self._buf; True when the mode changed and the rest must be looked at."""
@@ -329,35 +346,35 @@ class DsmlStreamParser:
         self._buf = self._buf[len(marker) :]
         if next_mode is _Mode.CALLS:
             self._block_raw = marker
-            self._search_from = 0
         self._mode = next_mode
         return True
 
     def _step_calls(self, out: list[Event]) -> bool:
         buf = self._buf
-        start = len(buf) - len(buf.lstrip(_WS))
-        rest = buf[start:]
-        if rest.startswith(CALLS_CLOSE):
-            self._buf = rest[len(CALLS_CLOSE) :]
+        start = len(buf) - len(buf.lstrip(_WS)) if buf[:1] in _WS else 0
+        if buf.startswith(CALLS_CLOSE, start):
+            self._buf = buf[start + len(CALLS_CLOSE) :]
             self._mode = _Mode.AFTER_CALLS
             return True
-        if rest.startswith(INVOKE_OPEN):
-            end = rest.find(INVOKE_CLOSE, max(0, self._search_from - start))
+        if buf.startswith(INVOKE_OPEN, start):
+            end = buf.find(INVOKE_CLOSE, start)
             if end < 0:
-                self._search_from = max(0, len(buf) - len(INVOKE_CLOSE) + 1)
+                self._waiting, self._tail = True, buf[-(len(INVOKE_CLOSE) - 1) :]
                 return False
             end += len(INVOKE_CLOSE)
-            parsed = _parse_invoke(rest[:end])
+            parsed = _parse_invoke(buf[start:end])
             if parsed is not None:
                 index = self._num_calls
                 self._num_calls += 1
                 out.append(ToolCallStart(index, make_call_id(index, self._id_seed), parsed[0]))
                 out.append(ToolCallArgsDelta(index, parsed[1]))
                 out.append(ToolCallEnd(index))
-                self._buf, self._block_raw, self._search_from = rest[end:], "", 0
+                self._buf, self._block_raw = buf[end:], ""
                 return True
-        elif not rest or INVOKE_OPEN.startswith(rest) or CALLS_CLOSE.startswith(rest):
-            return False  # a tag still arriving
+        else:
+            rest = buf[start:]
+            if not rest or INVOKE_OPEN.startswith(rest) or CALLS_CLOSE.startswith(rest):
+                return False  # a tag still arriving
         # Malformed: from the last point that parsed, the raw text is the answer.
         out.append(ContentDelta(self._block_raw + buf))
         self._buf, self._block_raw = "", ""

@@ -1,0 +1,53 @@
+"""The ``flashtier`` command line: inspect (roles + KV accounting) and generate."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashtier.server.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashtier.server.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_inspect_real_geometry_json():
+    proc = _run("inspect", "--preset", "v4.1-flash", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    kv = data["kv"]
+    assert kv["global_bytes_per_token"] == 890
+    assert kv["swa_bytes_per_slot"] == 528
+    assert kv["swa_bytes_per_sequence"] == 40 * 128 * 528
+    assert kv["snapshot_bytes"] == 20 * 128 * 528 + 3 * 2 * 512 * 4
+    layers = data["layers"]
+    assert len(layers) == 40 and layers[0] == {"index": 0, "part": "encoder", "role": "swa", "ratio": 0}
+    roles = {row["index"]: (row["part"], row["role"], row["ratio"]) for row in layers}
+    assert roles[2] == ("encoder", "full", 2) and roles[7] == ("encoder", "reuse", 2)
+    assert roles[20] == ("decoder", "full", 1) and roles[24] == ("decoder", "reindex", 1)
+    assert roles[39] == ("decoder", "reuse", 1) and roles[19] == ("encoder", "reuse", 2)
+
+
+def test_inspect_reads_a_model_dir_config(tmp_path, capsys):
+    from flashtier.engine.model.config import preset
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": preset("v4.1-flash").to_hf_dict()}))
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv"]["global_bytes_per_token"] == 890
+
+
+def test_inspect_unknown_preset_is_a_clear_error(capsys):
+    assert main(["inspect", "--preset", "nope"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_generate_tiny_is_deterministic(temperature):
+    args = ("generate", "--preset", "tiny", "--prompt", "Hello, world", "--max-tokens", "8",
+            "--temperature", temperature, "--seed", "3")
+    a, b = _run(*args), _run(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
