@@ -57,7 +57,8 @@ def as_e8m0(raw: torch.Tensor) -> torch.Tensor:
 def quantize_fp8_weight(
     w: torch.Tensor, block: tuple[int, int] = (32, 32), impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``w [N, K]`` (fp32/bf16/fp16) to ``(q float8_e4m3fn [N, K], scale float8_e8m0fnu [ceil(N/bn), ceil(K/bk)])``.
+    """Quantise ``w [N, K]`` (fp32/bf16/fp16) to ``q float8_e4m3fn [N, K]`` and ``scale float8_e8m0fnu``
+    ``[ceil(N/bn), ceil(K/bk)]``.
 
     ``block = (bn, bk)``: powers of two with bn * bk <= 16384. ``impl``: "auto" (triton on CUDA, else
     reference), "reference" or "triton"; both give identical bytes.
@@ -100,7 +101,8 @@ def dequantize_fp8_weight(
     expected = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     if tuple(scale.shape) != expected:
         raise ValueError(
-            f"{op}: scale must have shape {expected} for q {tuple(q.shape)} and block {(bn, bk)}, got {tuple(scale.shape)}"
+            f"{op}: scale must have shape {expected} for q {tuple(q.shape)} and block {(bn, bk)}, "
+            f"got {tuple(scale.shape)}"
         )
     check_same_device(q, scale, "q and scale", op)
     check_out_dtype(dtype, op)
@@ -112,7 +114,9 @@ def dequantize_fp8_weight(
 def _check_block(block: tuple[int, int], op: str) -> tuple[int, int]:
     ok = isinstance(block, (tuple, list)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
     if not ok or any(b & (b - 1) for b in block) or block[0] * block[1] > _MAX_BLOCK_ELEMS:
-        raise ValueError(f"{op}: block must be (bn, bk), powers of two with bn * bk <= {_MAX_BLOCK_ELEMS}, got {block!r}")
+        raise ValueError(
+            f"{op}: block must be (bn, bk), powers of two with bn * bk <= {_MAX_BLOCK_ELEMS}, got {block!r}"
+        )
     return int(block[0]), int(block[1])
 
 

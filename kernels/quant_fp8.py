@@ -92,7 +92,7 @@ def dequantize_fp8(
 
 
 def fp8_qdq(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """``dequantize_fp8(*quantize_fp8(x))`` in fp32, the model's in-line fake quantisation (one fused kernel on GPU)."""
+    """``dequantize_fp8(*quantize_fp8(x))`` in fp32: the model's in-line fake quantisation (fused on GPU)."""
     check_float_input(x, "x", "fp8_qdq", FP8_BLOCK)
     impl = resolve_impl(impl, x, "fp8_qdq")
     rows = as_rows(x)

@@ -91,7 +91,7 @@ def dequantize_mxfp4(
 
 
 def mxfp4_qdq(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """``dequantize_mxfp4(*quantize_mxfp4(x))`` in fp32, the model's in-line fake quantisation (one fused kernel on GPU)."""
+    """``dequantize_mxfp4(*quantize_mxfp4(x))`` in fp32: the model's in-line fake quantisation (fused on GPU)."""
     check_float_input(x, "x", "mxfp4_qdq", MXFP4_BLOCK)
     impl = resolve_impl(impl, x, "mxfp4_qdq")
     rows = as_rows(x)
@@ -140,17 +140,18 @@ def _reference_dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtyp
 
 @triton.jit
 def _quantize_mxfp4_kernel(p_x, p_packed, p_scales, p_out, n_groups, BLOCK_G: tl.constexpr, QDQ: tl.constexpr):
-    # One program quantises BLOCK_G consecutive 32-element blocks of the flattened rows, as 16 even and 16 odd
-    # elements each (the low and high nibbles of 16 bytes). Traffic per block: read 32 inputs; write 16 + 1
-    # bytes, or 32 fp32 (QDQ).
+    # One program quantises BLOCK_G consecutive 32-element blocks of the flattened rows. Each block is read
+    # contiguously and split into 16 even and 16 odd elements (the low and high nibbles of 16 bytes).
+    # Traffic per block: read 32 inputs; write 16 + 1 bytes, or 32 fp32 (QDQ).
     i_g = tl.program_id(0).to(tl.int64) * BLOCK_G
     o_g = i_g + tl.arange(0, BLOCK_G)
+    o_x = o_g[:, None] * 32 + tl.arange(0, 32)[None, :]
     o_p = o_g[:, None] * 16 + tl.arange(0, 16)[None, :]
     m_g = o_g < n_groups
     m_p = m_g[:, None]
-    b_lo = tl.load(p_x + 2 * o_p, mask=m_p, other=0.0).to(tl.float32)
-    b_hi = tl.load(p_x + 2 * o_p + 1, mask=m_p, other=0.0).to(tl.float32)
-    b_amax = tl.maximum(tl.max(tl.abs(b_lo), axis=1), tl.max(tl.abs(b_hi), axis=1))
+    b_x = tl.load(p_x + o_x, mask=m_p, other=0.0).to(tl.float32)
+    b_lo, b_hi = tl.split(tl.reshape(b_x, (BLOCK_G, 16, 2)))  # even / odd elements
+    b_amax = tl.max(tl.abs(b_x), axis=1)
     b_amax = tl.maximum(b_amax, 7.052966104933725e-38)  # 6 * 2^-126, exact in fp32
     # div_rn: the scale exponent depends on the correctly rounded quotient; GPU fp32 `/` may be approximate.
     b_exp = _ceil_pow2_exponent(tl.math.div_rn(b_amax, tl.full([BLOCK_G], 6.0, tl.float32)))
@@ -160,8 +161,8 @@ def _quantize_mxfp4_kernel(p_x, p_packed, p_scales, p_out, n_groups, BLOCK_G: tl
     c_hi = _e2m1_code(b_hi * b_inv, b_hi < 0)
     if QDQ:
         b_s = _e8m0_to_f32(b_exp)[:, None]
-        tl.store(p_out + 2 * o_p, _e2m1_to_f32(c_lo) * b_s, mask=m_p)
-        tl.store(p_out + 2 * o_p + 1, _e2m1_to_f32(c_hi) * b_s, mask=m_p)
+        b_v = tl.join(_e2m1_to_f32(c_lo) * b_s, _e2m1_to_f32(c_hi) * b_s)  # re-interleave even / odd
+        tl.store(p_out + o_x, tl.reshape(b_v, (BLOCK_G, 32)), mask=m_p)
     else:
         tl.store(p_packed + o_p, (c_lo | (c_hi << 4)).to(tl.uint8), mask=m_p)
         tl.store(p_scales + o_g, b_exp.to(tl.uint8), mask=m_g)
@@ -176,13 +177,12 @@ def _dequantize_mxfp4_kernel(p_packed, p_scales, p_out, n_groups, BLOCK_G: tl.co
     m_p = m_g[:, None]
     b_byte = tl.load(p_packed + o_p, mask=m_p, other=0).to(tl.int32)
     b_s = _e8m0_to_f32(tl.load(p_scales + o_g, mask=m_g, other=127).to(tl.int32))[:, None]
-    b_lo = _e2m1_to_f32(b_byte & 0x0F) * b_s
-    b_hi = _e2m1_to_f32(b_byte >> 4) * b_s
+    b_v = tl.join(_e2m1_to_f32(b_byte & 0x0F) * b_s, _e2m1_to_f32(b_byte >> 4) * b_s)  # low nibble first
+    b_v = tl.reshape(b_v, (BLOCK_G, 32))
     if OUT_BF16:
-        b_lo = _f32_to_bf16_rne(b_lo)
-        b_hi = _f32_to_bf16_rne(b_hi)
-    tl.store(p_out + 2 * o_p, b_lo, mask=m_p)
-    tl.store(p_out + 2 * o_p + 1, b_hi, mask=m_p)
+        b_v = _f32_to_bf16_rne(b_v)
+    o_x = o_g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(p_out + o_x, b_v, mask=m_p)
 
 
 def _triton_quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,8 +36,12 @@ def _generate(args: argparse.Namespace) -> int:
     from flashtier.engine.generate import generate_text_ids, load_for_cli
     from flashtier.server.tokenizer import Tokenizer
 
-    tok = Tokenizer()
+    from flashtier.server.engram_map import engram_token_map
+
+    tok = Tokenizer.from_model_dir(args.model_dir)
     model = load_for_cli(args.model_dir, args.preset, seed=args.weights_seed)
+    token_map, _ = engram_token_map(tok, model.cfg.vocab_size, model.cfg.engram_compressed_vocab)
+    model.set_token_map(token_map.to(model.device))
     ids = tok.encode(args.prompt)
     if not ids:
         print("error: the prompt encodes to no tokens", file=sys.stderr)

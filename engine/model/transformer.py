@@ -37,6 +37,8 @@ class Transformer(nn.Module):
         """Install the Engram token -> compressed-class map (built from the tokenizer by the server)."""
         if token_map.shape != (self.cfg.vocab_size,):
             raise ValueError(f"token map must have shape ({self.cfg.vocab_size},), got {tuple(token_map.shape)}")
+        if int(token_map.min()) < 0 or int(token_map.max()) >= self.cfg.engram_compressed_vocab:
+            raise ValueError(f"token map classes must lie in [0, {self.cfg.engram_compressed_vocab})")
         self.token_map = token_map.to(torch.long)
 
     def embed_streams(self, ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ SCALES = [1e-6, 1.0, 1e3]
 
 def assert_same_bytes(name: str, ref: torch.Tensor, tri: torch.Tensor) -> None:
     """Bit-identical, except that two NaNs count as equal."""
-    assert ref.shape == tri.shape and ref.dtype == tri.dtype, f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}/{tri.dtype}"
+    assert ref.shape == tri.shape, f"{name}: shape {tuple(ref.shape)} vs {tuple(tri.shape)}"
+    assert ref.dtype == tri.dtype, f"{name}: dtype {ref.dtype} vs {tri.dtype}"
     int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[ref.element_size()]
     a, b = ref.contiguous().view(int_dtype), tri.contiguous().view(int_dtype)
     bad = a != b
@@ -178,16 +179,20 @@ def test_empty_and_non_contiguous_inputs():
     assert_same_bytes("packed", quantize_fp4(x, impl="reference")[0], quantize_fp4(x.contiguous(), impl="triton")[0])
 
 
+def u8(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.uint8)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
         (lambda: quantize_fp4(torch.randn(4, 24)), "multiple of 16"),
         (lambda: quantize_fp4(torch.randn(4, 16, dtype=torch.float64)), "float32"),
         (lambda: quantize_fp4(torch.randn(4, 16), impl="fast"), "impl"),
-        (lambda: dequantize_fp4(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)), r"\(4, 1\)"),
-        (lambda: dequantize_fp4(torch.zeros(4, 6, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8)), "multiple of 8"),
-        (lambda: dequantize_fp4(torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.uint8)), "uint8"),
-        (lambda: unpack_fp4_record(torch.zeros(4, 287, dtype=torch.uint8), 512), "288"),
+        (lambda: dequantize_fp4(u8(4, 8), u8(4, 2)), r"\(4, 1\)"),
+        (lambda: dequantize_fp4(u8(4, 6), u8(4, 1)), "multiple of 8"),
+        (lambda: dequantize_fp4(torch.zeros(4, 8), u8(4, 1)), "uint8"),
+        (lambda: unpack_fp4_record(u8(4, 287), 512), "288"),
         (lambda: FP4_RECORD_BYTES(24), "multiple of 16"),
     ],
 )

@@ -20,7 +20,8 @@ SCALES = [1e-6, 1.0, 1e3]
 
 def assert_same_bytes(name: str, ref: torch.Tensor, tri: torch.Tensor) -> None:
     """Bit-identical, except that two NaNs count as equal."""
-    assert ref.shape == tri.shape and ref.dtype == tri.dtype, f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}/{tri.dtype}"
+    assert ref.shape == tri.shape, f"{name}: shape {tuple(ref.shape)} vs {tuple(tri.shape)}"
+    assert ref.dtype == tri.dtype, f"{name}: dtype {ref.dtype} vs {tri.dtype}"
     int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[ref.element_size()]
     a, b = ref.contiguous().view(int_dtype), tri.contiguous().view(int_dtype)
     bad = a != b
@@ -141,6 +142,10 @@ def test_empty_and_non_contiguous_inputs():
     assert_same_bytes("codes", quantize_fp8(x, impl="reference")[0], quantize_fp8(x.contiguous(), impl="triton")[0])
 
 
+def u8(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.uint8)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -150,11 +155,11 @@ def test_empty_and_non_contiguous_inputs():
         (lambda: quantize_fp8(torch.randn(4, 32, dtype=torch.float64)), "float32"),
         (lambda: quantize_fp8(torch.ones(4, 32, dtype=torch.int32)), "float32"),
         (lambda: quantize_fp8(torch.randn(4, 32), impl="cuda"), "impl"),
-        (lambda: dequantize_fp8(torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 1, dtype=torch.uint8)), "uint8"),
-        (lambda: dequantize_fp8(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)), r"\(4, 1\)"),
-        (lambda: dequantize_fp8(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), torch.float64), "dtype"),
-        (lambda: unpack_fp8_record(torch.zeros(4, 527, dtype=torch.uint8), 512), "528"),
-        (lambda: unpack_fp8_record(torch.zeros(4, 33, dtype=torch.uint8), 33), "multiple of 32"),
+        (lambda: dequantize_fp8(torch.zeros(4, 32, dtype=torch.int8), u8(4, 1)), "uint8"),
+        (lambda: dequantize_fp8(u8(4, 32), u8(4, 2)), r"\(4, 1\)"),
+        (lambda: dequantize_fp8(u8(4, 32), u8(4, 1), torch.float64), "dtype"),
+        (lambda: unpack_fp8_record(u8(4, 527), 512), "528"),
+        (lambda: unpack_fp8_record(u8(4, 33), 33), "multiple of 32"),
         (lambda: FP8_RECORD_BYTES(500), "multiple of 32"),
     ],
 )

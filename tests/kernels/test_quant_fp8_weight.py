@@ -28,7 +28,8 @@ CASES = [
 
 def assert_same_bytes(name: str, ref: torch.Tensor, tri: torch.Tensor) -> None:
     """Bit-identical, except that two NaNs count as equal."""
-    assert ref.shape == tri.shape and ref.dtype == tri.dtype, f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}/{tri.dtype}"
+    assert ref.shape == tri.shape, f"{name}: shape {tuple(ref.shape)} vs {tuple(tri.shape)}"
+    assert ref.dtype == tri.dtype, f"{name}: dtype {ref.dtype} vs {tri.dtype}"
     int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[ref.element_size()]
     a, b = ref.contiguous().view(int_dtype), tri.contiguous().view(int_dtype)
     bad = a != b
@@ -67,9 +68,8 @@ def test_half_inputs_and_transposed_views(dtype):
     w = (torch.randn(96, 70) * 5).to(dtype)
     check_impls_agree(w, (32, 32))
     wt = torch.randn(70, 96).t()  # [96, 70] with strides (1, 96): the kernel reads through the strides
-    assert_same_bytes(
-        "q", as_raw_bytes(quantize_fp8_weight(wt, impl="reference")[0]), as_raw_bytes(quantize_fp8_weight(wt, impl="triton")[0])
-    )
+    ref, tri = quantize_fp8_weight(wt, impl="reference")[0], quantize_fp8_weight(wt, impl="triton")[0]
+    assert_same_bytes("q", as_raw_bytes(ref), as_raw_bytes(tri))
 
 
 def test_edge_inputs():
@@ -115,6 +115,10 @@ def test_empty():
         assert dequantize_fp8_weight(q, scale, impl=impl).shape == (0, 64)
 
 
+def u8(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.uint8)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -124,10 +128,10 @@ def test_empty():
         (lambda: quantize_fp8_weight(torch.randn(4, 32), block=(0, 32)), "powers of two"),
         (lambda: quantize_fp8_weight(torch.randn(4, 32), block=(256, 256)), "powers of two"),
         (lambda: quantize_fp8_weight(torch.randn(4, 32), impl="gpu"), "impl"),
-        (lambda: dequantize_fp8_weight(torch.zeros(64, 64), torch.zeros(2, 2, dtype=torch.uint8)), "float8_e4m3fn"),
-        (lambda: dequantize_fp8_weight(torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(2, 2)), "float8_e8m0fnu"),
-        (lambda: dequantize_fp8_weight(torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8)), r"\(2, 2\)"),
-        (lambda: dequantize_fp8_weight(torch.zeros(37, 256, dtype=torch.uint8), torch.zeros(37, 8, dtype=torch.uint8)), r"\(2, 8\)"),
+        (lambda: dequantize_fp8_weight(torch.zeros(64, 64), u8(2, 2)), "float8_e4m3fn"),
+        (lambda: dequantize_fp8_weight(u8(64, 64), torch.zeros(2, 2)), "float8_e8m0fnu"),
+        (lambda: dequantize_fp8_weight(u8(64, 64), u8(2, 3)), r"\(2, 2\)"),
+        (lambda: dequantize_fp8_weight(u8(37, 256), u8(37, 8)), r"\(2, 8\)"),
         (lambda: as_raw_bytes(torch.zeros(4)), "one-byte"),
     ],
 )

@@ -44,7 +44,7 @@ def inputs() -> dict[str, torch.Tensor]:
         "randn_1": torch.randn(4096, 512, generator=g),
         "randn_1e-6": torch.randn(130, 512, generator=g) * 1e-6,
         "randn_1e3": torch.randn(130, 512, generator=g) * 1e3,
-        "wide": torch.randn(1024, 512, generator=g) * torch.exp2(torch.randint(-100, 100, (1024, 1), generator=g).float()),
+        "wide": torch.randn(1024, 512, generator=g) * torch.exp2(torch.randint(-100, 100, (1024, 1), generator=g)),
         "ties": (ties * torch.exp2(torch.arange(-20, 20).float())[:, None]).repeat(1, 16),
         "zeros": torch.zeros(17, 512),
         "neg": -torch.rand(17, 512, generator=g) * 1e-3,
@@ -65,7 +65,8 @@ def test_cuda_triton_matches_cpu_reference(op, name):
         assert_same_bits(f"{op} {impl} qdq", qdq(x, impl="reference"), qdq(x.cuda(), impl=impl))
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             expect = dequantize(*ref, dtype, impl="reference")
-            assert_same_bits(f"{op} {impl} dequantize {dtype}", expect, dequantize(ref[0].cuda(), ref[1].cuda(), dtype, impl=impl))
+            out = dequantize(ref[0].cuda(), ref[1].cuda(), dtype, impl=impl)
+            assert_same_bits(f"{op} {impl} dequantize {dtype}", expect, out)
 
 
 @pytest.mark.parametrize("block", [(32, 32), (1, 32), (128, 128)])
@@ -79,4 +80,5 @@ def test_cuda_fp8_weight_matches_cpu_reference(block):
         assert_same_bits(f"{impl} scale", as_raw_bytes(s), as_raw_bytes(ts))
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             expect = dequantize_fp8_weight(q, s, block, dtype, impl="reference")
-            assert_same_bits(f"{impl} dequantize {dtype}", expect, dequantize_fp8_weight(q.cuda(), s.cuda(), block, dtype, impl=impl))
+            out = dequantize_fp8_weight(q.cuda(), s.cuda(), block, dtype, impl=impl)
+            assert_same_bits(f"{impl} dequantize {dtype}", expect, out)

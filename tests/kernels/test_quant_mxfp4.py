@@ -21,7 +21,8 @@ TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 
 def assert_same_bytes(name: str, ref: torch.Tensor, tri: torch.Tensor) -> None:
     """Bit-identical, except that two NaNs count as equal."""
-    assert ref.shape == tri.shape and ref.dtype == tri.dtype, f"{name}: {ref.shape}/{ref.dtype} vs {tri.shape}/{tri.dtype}"
+    assert ref.shape == tri.shape, f"{name}: shape {tuple(ref.shape)} vs {tuple(tri.shape)}"
+    assert ref.dtype == tri.dtype, f"{name}: dtype {ref.dtype} vs {tri.dtype}"
     int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[ref.element_size()]
     a, b = ref.contiguous().view(int_dtype), tri.contiguous().view(int_dtype)
     bad = a != b
@@ -176,7 +177,12 @@ def test_empty_and_non_contiguous_inputs():
         packed, scales = quantize_mxfp4(torch.randn(2, 0, 64), impl=impl)
         assert packed.shape == (2, 0, 32) and scales.shape == (2, 0, 2)
     x = torch.randn(64, 40).t()
-    assert_same_bytes("packed", quantize_mxfp4(x, impl="reference")[0], quantize_mxfp4(x.contiguous(), impl="triton")[0])
+    ref, tri = quantize_mxfp4(x, impl="reference")[0], quantize_mxfp4(x.contiguous(), impl="triton")[0]
+    assert_same_bytes("packed", ref, tri)
+
+
+def u8(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.uint8)
 
 
 @pytest.mark.parametrize(
@@ -185,10 +191,10 @@ def test_empty_and_non_contiguous_inputs():
         (lambda: quantize_mxfp4(torch.randn(4, 16)), "multiple of 32"),
         (lambda: quantize_mxfp4(torch.randn(4, 32, dtype=torch.float64)), "float32"),
         (lambda: quantize_mxfp4(torch.randn(4, 32), impl=None), "impl"),
-        (lambda: dequantize_mxfp4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)), r"\(4, 1\)"),
-        (lambda: dequantize_mxfp4(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8)), "multiple of 16"),
-        (lambda: dequantize_mxfp4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8)), r"\(4, 1\)"),
-        (lambda: unpack_mxfp4_record(torch.zeros(4, 64, dtype=torch.uint8), 128), "68"),
+        (lambda: dequantize_mxfp4(u8(4, 16), u8(4, 2)), r"\(4, 1\)"),
+        (lambda: dequantize_mxfp4(u8(4, 8), u8(4, 1)), "multiple of 16"),
+        (lambda: dequantize_mxfp4(u8(4, 16), u8(3, 1)), r"\(4, 1\)"),
+        (lambda: unpack_mxfp4_record(u8(4, 64), 128), "68"),
         (lambda: MXFP4_RECORD_BYTES(48), "multiple of 32"),
     ],
 )
