@@ -42,6 +42,9 @@ def _generate(args: argparse.Namespace) -> int:
     model = load_for_cli(args.model_dir, args.preset, seed=args.weights_seed)
     token_map, _ = engram_token_map(tok, model.cfg.vocab_size, model.cfg.engram_compressed_vocab)
     model.set_token_map(token_map.to(model.device))
+    if args.model_dir is None:
+        print(f"note: preset {model.cfg.name!r} with seeded random weights: its text is not meaningful",
+              file=sys.stderr)
     ids = tok.encode(args.prompt)
     if not ids:
         print("error: the prompt encodes to no tokens", file=sys.stderr)
