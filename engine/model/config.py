@@ -170,22 +170,6 @@ class ModelConfig:
             roles.append(LayerRole(i, part, role, ratio, kv_src, idx_src))
         return roles
 
-    # ---- KV byte accounting (model.md §6) ---------------------------------------------------
-    @property
-    def main_entry_bytes(self) -> int:
-        """FP4 e2m1 + one e4m3 scale per 16: 512 -> 288 B."""
-        return self.head_dim // 2 + self.head_dim // 16
-
-    @property
-    def index_entry_bytes(self) -> int:
-        """MXFP4 e2m1 + one e8m0 scale per 32: 128 -> 68 B."""
-        return self.index_head_dim // 2 + self.index_head_dim // 32
-
-    @property
-    def swa_slot_bytes(self) -> int:
-        """FP8 e4m3 + one ue8m0 scale per 32: 512 -> 528 B."""
-        return self.head_dim + self.head_dim // 32
-
     def to_hf_dict(self) -> dict[str, Any]:
         """The config as an HF-style ``config.json`` dict (flat; readable by ``from_hf_dict``)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra",)}
