@@ -37,7 +37,11 @@ def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_bytes(q: torch.Tensor) -> torch.Tensor:
-    """Raw e4m3fn bytes of fp32 ``q`` (torch's cast: round-to-nearest-even; callers clamp to +-448 first)."""
+    """Raw e4m3fn bytes of fp32 ``q`` (torch's cast: round-to-nearest-even).
+
+    Callers clamp to +-448 first: out of range, torch 2.13 on CPU saturates to 448 but torch 2.11 gives
+    NaN (0x7F) from about 464 up, on CPU and CUDA alike.
+    """
     return q.to(torch.float8_e4m3fn).view(torch.uint8)
 
 

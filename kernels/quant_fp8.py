@@ -120,7 +120,7 @@ def _reference_quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
     Rounding: ``amax / 448`` is one correctly rounded fp32 division, then rounded UP to a power of two
     with the exponent bit trick (so |x / s| <= 448 and the scale never clips the block's largest element);
-    ``x / s`` is exact (s is a power of two); the e4m3 cast rounds to nearest even.
+    ``x / s`` is exact (s is a power of two; only fp32 subnormals round); the e4m3 cast rounds to nearest even.
     """
     r, d = x.shape
     blocks = x.to(torch.float32).reshape(r, d // FP8_BLOCK, FP8_BLOCK)

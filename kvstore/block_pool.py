@@ -1,16 +1,16 @@
 """BlockPool: ref-counted HBM block ids, the prefix-cache hash index and LRU reuse of free blocks.
 
-The pool hands out ids only; the bytes live in one tensor indexed by ``block_id`` (``BlockLayout.allocate``),
-owned elsewhere. Every block is in exactly one state::
+The pool hands out ids only; the bytes live in one tensor indexed by ``block_id``
+(``BlockLayout.allocate``), owned elsewhere. Every block is in exactly one state::
 
     null      block 0 only: never allocated, never freed, never cached (see below)
     in use    ref_cnt > 0, not in the free queue, hash optional (a cached block shared by requests)
     free      ref_cnt == 0, in the free queue exactly once; with a hash it is still a prefix-cache hit
               ("cached free"), without one it is plain free space
 
-    allocate ──▶ in use ──free (ref→0)──▶ free (queue back) ──allocate (queue front)──▶ in use
-                   ▲                        │  a hash is dropped from the index right here ──┘
-                   └───── touch (prefix hit: removed from the middle of the queue) ──┘
+    ──allocate()──▶ in use ──free(), ref reaches 0──▶ free ──allocate() pops the LRU front──▶ in use
+                      ▲                                 │   (a cached block leaves the index first)
+                      └── touch(): prefix hit on a cached free block, O(1) unlink ──┘
 
 Null block: block 0 is reserved. Padded batches (CUDA-graph capture sizes, padded block tables) need a
 block id whose contents nobody reads, so their scratch writes can never clobber a real block. ``touch``
@@ -251,8 +251,11 @@ class BlockPool:
         block.block_hash = None
         self.stats.evictions += 1
 
+    def _owns(self, block: KVBlock) -> bool:
+        return 0 <= block.block_id < self.num_blocks and self.blocks[block.block_id] is block
+
     def _check_owned(self, block: KVBlock) -> None:
-        if not (0 <= block.block_id < self.num_blocks) or self.blocks[block.block_id] is not block:
+        if not self._owns(block):
             raise ValueError(f"{block!r} does not belong to this pool")
 
     def check_integrity(self) -> None:
@@ -273,7 +276,7 @@ class BlockPool:
         self._free.check_integrity()
         queued: set[int] = set()
         for block in self._free:
-            if block.is_null or self.blocks[block.block_id] is not block:
+            if block.is_null or not self._owns(block):
                 raise RuntimeError(f"free queue holds {block!r}, which is the null block or not from this pool")
             if block.block_id in queued:
                 raise RuntimeError(f"block {block.block_id} is in the free queue twice")
@@ -287,21 +290,27 @@ class BlockPool:
                 if block.block_id not in queued:
                     raise RuntimeError(f"block {block.block_id} has ref_cnt 0 but is not in the free queue (leak)")
             elif block.block_id in queued or block.prev_free is not None or block.next_free is not None:
-                raise RuntimeError(f"block {block.block_id} has ref_cnt {block.ref_cnt} but is linked in the free queue")
+                raise RuntimeError(
+                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but is linked in the free queue"
+                )
         if n_zero != len(self._free):
             raise RuntimeError(f"free queue length {len(self._free)} != {n_zero} blocks with ref_cnt 0")
         n_used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
         if self.num_free + n_used != self.num_usable:
             raise RuntimeError(f"num_free {self.num_free} + {n_used} blocks in use != usable {self.num_usable}")
         for h, block in self._index.items():
-            if self.blocks[block.block_id] is not block:
+            if not self._owns(block):
                 raise RuntimeError(f"hash index entry {h!r} maps to a block not in this pool")
             if block.block_hash != h:
-                raise RuntimeError(f"hash index maps {h!r} to block {block.block_id}, which carries {block.block_hash!r}")
+                raise RuntimeError(
+                    f"hash index maps {h!r} to block {block.block_id}, which carries {block.block_hash!r}"
+                )
         hashed = [b for b in self.blocks if b.block_hash is not None]
         for block in hashed:
             if self._index.get(block.block_hash) is not block:
-                raise RuntimeError(f"block {block.block_id} carries {block.block_hash!r} but the index does not map it there")
+                raise RuntimeError(
+                    f"block {block.block_id} carries {block.block_hash!r} but the index does not map it there"
+                )
         if len(hashed) != len(self._index):
             raise RuntimeError(f"{len(hashed)} hashed blocks but {len(self._index)} index entries")
         if not self.enable_caching and self._index:
