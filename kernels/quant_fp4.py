@@ -127,7 +127,7 @@ def _reference_quantize_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def _reference_dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spec of decoding: ``e2m1(code) * e4m3(scale)`` in fp32, then cast to ``dtype``."""
     r, half = packed.shape
-    values = e2m1_to_float(unpack_nibbles(packed)).reshape(r, -1, FP4_BLOCK) * e4m3_to_float(scales).unsqueeze(-1)
+    values = e2m1_to_float(unpack_nibbles(packed)).reshape(r, scales.shape[-1], FP4_BLOCK) * e4m3_to_float(scales).unsqueeze(-1)
     return values.reshape(r, half * 2).to(dtype)
 
 

@@ -134,7 +134,7 @@ def _reference_quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def _reference_dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spec of decoding: ``e2m1(code) * 2^(scale - 127)`` in fp32, then cast to ``dtype``."""
     r, half = packed.shape
-    values = e2m1_to_float(unpack_nibbles(packed)).reshape(r, -1, MXFP4_BLOCK) * e8m0_to_float(scales).unsqueeze(-1)
+    values = e2m1_to_float(unpack_nibbles(packed)).reshape(r, scales.shape[-1], MXFP4_BLOCK) * e8m0_to_float(scales).unsqueeze(-1)
     return values.reshape(r, half * 2).to(dtype)
 
 

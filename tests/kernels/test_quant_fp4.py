@@ -199,3 +199,13 @@ def u8(*shape: int) -> torch.Tensor:
 def test_validation_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_empty_rows_round_trip(impl):
+    """Zero rows is a legal batch (a chunk that completes no compressed entry)."""
+    from flashtier.kernels.quant_fp8 import fp8_qdq
+    from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
+
+    for op in (fp4_qdq, mxfp4_qdq, fp8_qdq):
+        assert op(torch.zeros(0, 64), impl=impl).shape == (0, 64)
