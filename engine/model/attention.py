@@ -59,10 +59,16 @@ class Attention(nn.Module):
         q = linear(qr, self.wq_b).view(h.shape[0], self.n_heads, self.head_dim)
         return self.rope.apply(q, pos), qr
 
+    def project_kv_raw(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Window KV [T, hd] before quantisation: normed latent, RoPE on the last channels.
+
+        Caches store ``quantize_fp8`` of this; the values every reader sees are ``project_kv``.
+        """
+        return self.rope.apply(self.kv_norm(linear(h, self.wkv)), pos)
+
     def project_kv(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Window KV [T, hd]: normed latent, RoPE on the last channels, FP8 quantise-dequantise."""
-        kv = self.rope.apply(self.kv_norm(linear(h, self.wkv)), pos)
-        return qdq(fp8_qdq, kv)
+        """Window KV [T, hd] as the model sees it: FP8 quantise-dequantise of ``project_kv_raw``."""
+        return qdq(fp8_qdq, self.project_kv_raw(h, pos))
 
     def output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Undo the query rotation on o [T, H, hd], grouped low-rank wo_a, then wo_b -> [T, D]."""

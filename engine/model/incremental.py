@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashtier.kernels.quant_fp8 import fp8_qdq
+
+from .batch_forward import decode_batch, encode_batch
 from .compressor import PartialGroup
-from .engram import ngram_ids
-from .layer_forward import EntryStore, LocalKeys, StepSlots, layer_forward, project_decoder_entries
-from .mhc import identity_pre
+from .layer_forward import EntryStore, LocalKeys
+from .numerics import qdq
 from .transformer import Transformer
 
 
@@ -38,11 +40,12 @@ class Ring:
     def keys(self, start: int) -> LocalKeys:
         return LocalKeys(self.kv, self.pos, start)
 
-    def write(self, kv: torch.Tensor, pos: torch.Tensor) -> None:
+    def write(self, kv_raw: torch.Tensor, pos: torch.Tensor) -> None:
+        """Store the newest ``window`` of raw window KV rows (FP8 quantise-dequantise on the way in)."""
         w = self.kv.shape[0]
-        kv, pos = kv[-w:], pos[-w:]
+        kv_raw, pos = kv_raw[-w:], pos[-w:]
         slots = pos % w
-        self.kv[slots] = kv
+        self.kv[slots] = qdq(fp8_qdq, kv_raw).to(self.kv.dtype)
         self.pos[slots] = pos
 
     def clear(self) -> None:
@@ -67,6 +70,12 @@ class SequenceState:
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    def ring_keys(self, layer: int, start: int) -> LocalKeys:
+        return self.rings[layer].keys(start)
+
+    def ring_write(self, layer: int, kv_raw: torch.Tensor, pos: torch.Tensor) -> None:
+        self.rings[layer].write(kv_raw, pos)
 
     def clone(self) -> "SequenceState":
         return copy.deepcopy(self)
@@ -96,37 +105,14 @@ class IncrementalModel:
             partial={src: None for src in cfg.kv_source_layer_ids if cfg.compress_ratios[src] == 2},
         )
 
-    # ---- encoder ------------------------------------------------------------------------------
-    @torch.no_grad()
+    # ---- encoder / decoder ---------------------------------------------------------------------
     def encode(self, state: SequenceState, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run new tokens through the encoder; project their decoder entries (S20).
 
         Mutates the encoder rings, the stores, the partial groups, ``tokens`` and the tail.
         Returns the encoder outputs (x [L, hc, D], pre [L, hc]).
         """
-        cfg, model, dev = self.cfg, self.model, self.model.device
-        start = state.length
-        state.tokens.extend(tokens)
-        hist = torch.tensor(state.tokens, dtype=torch.long, device=dev)
-        pos = torch.arange(start, state.length, device=dev)
-        ngrams = ngram_ids(model.token_map, hist, cfg.engram_max_ngram_size,
-                           int(model.token_map[cfg.engram_pad_token_id]))[start:]
-        x = model.embed_streams(hist[start:])
-        pre = identity_pre(len(tokens), cfg.hc_mult, dev, model.compute_dtype)
-        slots = StepSlots()
-        for layer in range(cfg.n_encoder_layers):
-            block = model.layers[layer]
-            if block.engram is not None:
-                x = block.engram(x, ngrams)
-            ring = state.rings[layer]
-            x, pre, kv, part = layer_forward(
-                block, x, pre, pos, ring.keys(state.enc_start), state.stores, slots,
-                window=cfg.sliding_window, partial=state.partial.get(layer), write_from=state.write_from,
-            )
-            if layer in state.partial:
-                state.partial[layer] = part
-            ring.write(kv, pos)
-        project_decoder_entries(model, x, pre, pos, state.stores[cfg.decoder_source], state.write_from)
+        x, pre = encode_batch(self.model, [state], [tokens])[0]
         self._push_tail(state, x, pre)
         return x, pre
 
@@ -138,30 +124,14 @@ class IncrementalModel:
             state.tail_x = torch.cat((state.tail_x, x))[-w:]
             state.tail_pre = torch.cat((state.tail_pre, pre))[-w:]
 
-    # ---- decoder ------------------------------------------------------------------------------
-    @torch.no_grad()
     def decode_layers(self, state: SequenceState, x: torch.Tensor, pre: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Run encoder outputs at positions pos through the decoder; logits of the LAST position [V].
 
         Mutates the decoder rings and ``dec_len``.
         """
-        cfg, model = self.cfg, self.model
-        slots = StepSlots()
-        hist = None
-        for layer in range(cfg.n_encoder_layers, cfg.num_hidden_layers):
-            block = model.layers[layer]
-            if block.engram is not None:
-                hist = hist if hist is not None else torch.tensor(state.tokens, device=model.device)
-                grams = ngram_ids(model.token_map, hist, cfg.engram_max_ngram_size,
-                                  int(model.token_map[cfg.engram_pad_token_id]))
-                x = block.engram(x, grams[pos])
-            ring = state.rings[layer]
-            x, pre, kv, _ = layer_forward(
-                block, x, pre, pos, ring.keys(state.dec_start), state.stores, slots, window=cfg.sliding_window
-            )
-            ring.write(kv, pos)
+        logits = decode_batch(self.model, [state], [x], [pre], [pos])[0]
         state.dec_len = int(pos[-1]) + 1
-        return model.logits(x[-1:], pre[-1:])[0]
+        return logits
 
     # ---- public steps ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -50,12 +50,16 @@ class Indexer(nn.Module):
         w = up((h.to(ww.dtype) @ ww.t())) * self.weight_scale
         return q, w
 
-    def project_k(self, latent: torch.Tensor, entry_pos: torch.Tensor) -> torch.Tensor:
-        """Index keys [E, ID] from PRE-RoPE latents [E, hd] rotated at their entry positions."""
+    def project_k_raw(self, latent: torch.Tensor, entry_pos: torch.Tensor) -> torch.Tensor:
+        """Index keys [E, ID] before MXFP4: from PRE-RoPE latents [E, hd], rotated at their positions."""
         assert self.wk is not None, "only KV-source layers own an index key projection"
         wk = self.wk.weight
         k = self.k_norm(up((latent.to(wk.dtype) @ wk.t())))
-        return qdq(mxfp4_qdq, self.rope.apply(k, entry_pos))
+        return self.rope.apply(k, entry_pos)
+
+    def project_k(self, latent: torch.Tensor, entry_pos: torch.Tensor) -> torch.Tensor:
+        """Index keys [E, ID] as the model sees them (MXFP4 quantise-dequantise)."""
+        return qdq(mxfp4_qdq, self.project_k_raw(latent, entry_pos))
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

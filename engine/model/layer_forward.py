@@ -14,11 +14,15 @@ token belongs to; that is the plan's job (reference.py) or the request's (increm
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from flashtier.kernels.quant_fp4 import fp4_qdq
+from flashtier.kernels.quant_fp8 import fp8_qdq
+from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
 
 from .attention import sparse_attention
 from .block import Block
@@ -46,11 +50,27 @@ class LocalKeys:
         )
 
 
-class EntryStore:
-    """The global entries of one KV source, contiguous: main KV [cap, hd] and indexer K [cap, ID].
+class GlobalEntries(Protocol):
+    """One KV source's global entries as a sequence sees them (contiguous here, paged in the engine).
 
-    Entries are written in order; ``count`` is the number of valid entries. Writing entry j with
-    j < count overwrites it (callers never do that for cached entries; see ``write``).
+    ``write`` takes the RAW values (rotated latent, rotated index key) and stores what the format
+    holds; readers get the dequantised values (FP4 main KV, MXFP4 index K), identical in every store.
+    """
+
+    count: int
+
+    def index_keys(self, n: int) -> torch.Tensor: ...  # [n, ID] dequantised
+
+    def main_rows(self, idx: torch.Tensor) -> torch.Tensor: ...  # [..., hd] dequantised, idx >= 0
+
+    def write(self, entries: torch.Tensor, main_raw: torch.Tensor, index_raw: torch.Tensor) -> None: ...
+
+
+class EntryStore:
+    """Contiguous global entries of one KV source: main KV [cap, hd] and indexer K [cap, ID].
+
+    Holds the quantise-dequantised values. Entries are written in order; ``count`` is the number
+    of valid entries.
     """
 
     def __init__(
@@ -65,7 +85,13 @@ class EntryStore:
         self.index_k = torch.zeros(capacity, index_dim, device=device, dtype=dtype)
         self.count = 0
 
-    def write(self, entries: torch.Tensor, main: torch.Tensor, index_k: torch.Tensor) -> None:
+    def index_keys(self, n: int) -> torch.Tensor:
+        return self.index_k[:n]
+
+    def main_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.main[idx]
+
+    def write(self, entries: torch.Tensor, main_raw: torch.Tensor, index_raw: torch.Tensor) -> None:
         """Store entries at indices ``entries`` [G] (consecutive, starting at or below ``count``)."""
         if entries.numel() == 0:
             return
@@ -73,8 +99,8 @@ class EntryStore:
         assert first <= self.count and last - first + 1 == entries.numel(), "entries must be appended in order"
         if last >= self.main.shape[0]:
             self._grow(last + 1)
-        self.main[first : last + 1] = main
-        self.index_k[first : last + 1] = index_k
+        self.main[first : last + 1] = qdq(fp4_qdq, main_raw)
+        self.index_k[first : last + 1] = qdq(mxfp4_qdq, index_raw)
         self.count = max(self.count, last + 1)
 
     def truncate(self, count: int) -> None:
@@ -107,8 +133,8 @@ def compute_entries(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PartialGroup | None]:
     """A KV-source layer's new global entries from its attention input h [T, D] at positions pos.
 
-    Returns (entry indices [G], main KV [G, hd] (RoPE at j*ratio, FP4 qdq), index K [G, ID],
-    new partial group).
+    Returns (entry indices [G], raw main KV [G, hd] (RoPE at j*ratio), raw index K [G, ID], new
+    partial group); the store quantises (FP4 / MXFP4) on write.
     """
     attn = block.attn
     comp = attn.compressor
@@ -117,37 +143,35 @@ def compute_entries(
         empty = latents.new_zeros(0, attn.head_dim), latents.new_zeros(0, attn.indexer.head_dim)
         return entries, empty[0], empty[1], partial
     epos = entries * comp.ratio
-    main = qdq(fp4_qdq, attn.rope.apply(latents, epos))
-    index_k = attn.indexer.project_k(latents, epos)
+    main = attn.rope.apply(latents, epos)
+    index_k = attn.indexer.project_k_raw(latents, epos)
     return entries, main, index_k, partial
 
 
-def layer_forward(
+def attend(
     block: Block,
-    x: torch.Tensor,
-    pre_in: torch.Tensor,
+    h: torch.Tensor,
+    q: torch.Tensor,
+    qr: torch.Tensor,
+    kv: torch.Tensor,
     pos: torch.Tensor,
     local: LocalKeys,
-    stores: dict[int, EntryStore],
+    stores: Mapping[int, GlobalEntries],
     slots: StepSlots,
     *,
     window: int,
     partial: PartialGroup | None = None,
     write_from: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PartialGroup | None]:
-    """Run layer ``block`` over queries x [T, hc, D] at consecutive positions pos [T].
+) -> tuple[torch.Tensor, PartialGroup | None]:
+    """The attention core of one sequence's run of queries at consecutive positions ``pos`` [T].
 
-    Mutates ``stores`` (a ratio-2 source layer appends the entries its tokens complete, only for
-    positions >= ``write_from``; ``None`` = never, used for layer 20 whose entries are projected
-    separately) and ``slots`` (top-k and pool of this run). Returns (x_out, pre_out, window KV of
-    these tokens [T, hd], new partial group).
+    h [T, D] is the attention input, q [T, H, hd] / qr the projected queries, kv [T, hd] these
+    tokens' (dequantised) window KV. Mutates ``stores`` (a ratio-2 source layer appends the entries
+    its tokens complete, only for positions >= ``write_from``; ``None`` = never, used for layer 20
+    whose entries are projected separately) and ``slots``. Returns (o [T, H, hd], new partial group).
     """
     role = block.role
     attn = block.attn
-    h, amix = block.attn_input(x, pre_in)
-    q, qr = attn.project_q(h, pos)
-    kv = attn.project_kv(h, pos)
-
     gkv = gmask = None
     if role.ratio > 0:
         if role.role == "full" and write_from is not None:
@@ -160,7 +184,7 @@ def layer_forward(
         assert store.count >= n_vis, f"layer {role.index}: {store.count} entries stored, {n_vis} needed"
         if role.role in ("full", "reindex"):
             qi, w = attn.indexer.project_q(qr, h, pos)
-            scores = index_scores(qi, w, store.index_k[:n_vis])
+            scores = index_scores(qi, w, store.index_keys(n_vis))
             cfg = block.cfg
             allowed = None
             if role.role == "full" and role.index == cfg.candidate_source_layer_id:
@@ -171,15 +195,43 @@ def layer_forward(
             slots.topk[role.index] = select_topk(scores, visible, cfg.index_topk, allowed)
         idx = slots.topk[role.index_source]
         gmask = idx >= 0
-        gkv = store.main[idx.clamp(min=0)]
+        gkv = store.main_rows(idx.clamp(min=0))
 
-    keys = torch.cat((local.kv, kv))
+    keys = torch.cat((local.kv.to(kv.dtype), kv))
     kpos = torch.cat((local.pos, pos))
     lo = torch.clamp(pos - window + 1, min=local.start)
     mask = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= 0)
-    o = sparse_attention(q, keys, mask, gkv, gmask, attn.attn_sink, attn.scale)
+    return sparse_attention(q, keys, mask, gkv, gmask, attn.attn_sink, attn.scale), partial
+
+
+def layer_forward(
+    block: Block,
+    x: torch.Tensor,
+    pre_in: torch.Tensor,
+    pos: torch.Tensor,
+    local: LocalKeys,
+    stores: Mapping[int, GlobalEntries],
+    slots: StepSlots,
+    *,
+    window: int,
+    partial: PartialGroup | None = None,
+    write_from: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PartialGroup | None]:
+    """Run layer ``block`` over one sequence's queries x [T, hc, D] at consecutive positions pos [T].
+
+    See ``attend`` for what is mutated. Returns (x_out, pre_out, raw window KV of these tokens
+    [T, hd] (to be quantised by whoever stores it), new partial group).
+    """
+    attn = block.attn
+    h, amix = block.attn_input(x, pre_in)
+    q, qr = attn.project_q(h, pos)
+    kv_raw = attn.project_kv_raw(h, pos)
+    o, partial = attend(
+        block, h, q, qr, qdq(fp8_qdq, kv_raw), pos, local, stores, slots,
+        window=window, partial=partial, write_from=write_from,
+    )
     x, pre = block.finish(attn.output(o, pos), x, amix)
-    return x, pre, kv, partial
+    return x, pre, kv_raw, partial
 
 
 def project_decoder_entries(
