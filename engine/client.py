@@ -1,0 +1,53 @@
+"""The engine as the server sees it: ``EngineClient``, an async protocol (``AsyncEngine`` implements it).
+
+The server never touches scheduler or model objects: it submits token ids with ``SamplingParams``,
+iterates ``RequestOutput`` deltas, aborts, and reads stats. A test may implement this protocol with a
+scripted token source to drive output the random demo model would never produce (tool calls,
+reasoning); everything around it stays real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from .outputs import EngineStats, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    def is_ready(self) -> bool: ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request; yields its outputs until one with ``finished=True``.
+
+        Raises ``QueueFullError`` when the waiting queue is at its bound (the server answers 429) and
+        ``ValueError`` for a request the engine cannot take (prompt + max_tokens over the context).
+        Cancelling the iteration (client gone) aborts the request within one engine step.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop accepting, finish or abort in-flight requests within ``timeout``, stop the loop."""
+        ...
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is full; retry later (HTTP 429)."""

@@ -1,0 +1,28 @@
+"""EngineConfig: the one (frozen) configuration object of flashtier.engine (built by server/settings.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str | None = None  # a checkpoint directory; None: the preset with seeded random weights
+    preset: str = "tiny"
+    weights_seed: int = 0
+    dtype: str = "float32"  # float32 | bfloat16 | float64 (the exactness-test mode)
+    device: str = "cpu"
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 512  # token budget of one step (encoder chunk + replay + decode tokens)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_waiting: int = 1024  # queue bound (beyond it: QueueFullError -> HTTP 429)
+    fingerprint: str | None = None  # prefix-cache namespace; default derived from the model config + formats
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"EngineConfig.dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("EngineConfig.max_model_len must be >= 2")
