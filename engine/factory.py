@@ -1,0 +1,46 @@
+"""Build an ``Engine`` / ``AsyncEngine`` from the package configs (which server/settings.py builds)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtier.kvstore.config import KVStoreConfig
+
+from .async_engine import AsyncEngine
+from .config import EngineConfig
+from .engine import Engine
+from .model.config import preset
+from .model.init import random_model
+from .model.loader import load_model
+from .model.transformer import Transformer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def build_model(config: EngineConfig) -> Transformer:
+    """The checkpoint in ``config.model_dir``, else the preset with seeded random weights."""
+    dtype = _DTYPES[config.dtype]
+    if config.model_dir is not None:
+        model = load_model(config.model_dir, dtype=dtype, device=config.device, with_dspark=False, progress=False)
+        if dtype == torch.float64:
+            model = model.double()
+        return model
+    return random_model(preset(config.preset), seed=config.weights_seed, dtype=dtype, with_dspark=False).to(
+        config.device
+    )
+
+
+def build_engine(
+    config: EngineConfig, kv_config: KVStoreConfig | None = None, token_map: torch.Tensor | None = None
+) -> Engine:
+    model = build_model(config)
+    if token_map is not None:
+        model.set_token_map(token_map.to(model.device))
+    return Engine(model, config, kv_config)
+
+
+def build_async_engine(
+    config: EngineConfig, kv_config: KVStoreConfig | None = None, token_map: torch.Tensor | None = None
+) -> AsyncEngine:
+    """A started ``AsyncEngine`` (implements ``EngineClient``)."""
+    return AsyncEngine(build_engine(config, kv_config, token_map)).start()
