@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 
 import torch
@@ -17,11 +18,14 @@ from flashtier.kvstore.block_pool import BlockPool
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.kv_pool import GlobalKVPool
 from flashtier.kvstore.layout import BlockLayout
+from flashtier.kvstore.snapshot import SnapshotKey
 
 from .client import QueueFullError
 from .config import EngineConfig
 from .kv_accounting import kv_geometry
 from .model.transformer import Transformer
+
+log = logging.getLogger("flashtier.engine")
 from .outputs import CacheUsage, ChoiceDelta, EngineStats, RequestOutput, RequestTimes, TokenLogprob
 from .paged_kv import BlockTable, PagedEntries, PagedSequence, WindowRings
 from .request import Request, RequestStatus, Sequence
@@ -29,6 +33,8 @@ from .runner import ModelRunner
 from .sampler import Sampler, SamplerRow
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .snapshot_codec import decode_snapshot, encode_snapshot
+from .tiers import LookupQuery, TierManager
 
 DEFAULT_CPU_KV_BYTES = 256 << 20  # pool budget on a CPU when the KV config names none
 
@@ -42,8 +48,16 @@ def model_fingerprint(model: Transformer, block_size: int, extra: str = "") -> s
 
 
 class Engine:
-    def __init__(self, model: Transformer, config: EngineConfig | None = None, kv_config: KVStoreConfig | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        config: EngineConfig | None = None,
+        kv_config: KVStoreConfig | None = None,
+        tiers: TierManager | None = None,
+    ):
+        """``tiers``: SSD write-through, snapshots and resume lookups; None keeps everything in the pool."""
         self.model = model
+        self.tiers = tiers
         self.config = config or EngineConfig()
         self.kv_config = kv_config or KVStoreConfig()
         cfg = model.cfg
@@ -57,14 +71,18 @@ class Engine:
         self.pool = BlockPool(num_blocks, enable_caching=self.kv_config.enable_prefix_caching)
         self.kv = GlobalKVPool(self.layout, num_blocks, dev)
         self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
-        self.fingerprint = self.config.fingerprint or model_fingerprint(model, self.block_size)
+        self.fingerprint = self.config.fingerprint or model_fingerprint(
+            model, self.block_size, f"{self.config.dtype}|seed{self.config.weights_seed}|{self.config.model_dir}"
+        )
         self.runner = ModelRunner(model)
         self.sampler = Sampler(eos_token_id=cfg.eos_token_id)
         self.scheduler = Scheduler(
             self.pool, block_size=self.block_size, window=cfg.sliding_window,
             max_num_seqs=self.config.max_num_seqs, token_budget=self.config.max_num_batched_tokens,
             new_sequence=self._new_sequence, swap_out=self._swap_out, swap_in=self._swap_in,
+            start_lookup=self._start_lookup if tiers else None, apply_lookup=self._apply_lookup if tiers else None,
         )
+        self._partial_order = [s for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] == 2]
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.prompt_tokens = 0
@@ -110,7 +128,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._aborted)
+        s = self.scheduler
+        return bool(s.waiting or s.running or s.loading or self._aborted)
 
     # ---- sequences ------------------------------------------------------------------------------
     def _new_sequence(self, req: Request, index: int) -> Sequence:
@@ -159,6 +178,7 @@ class Engine:
 
     def _swap_out(self, req: Request) -> None:
         for seq in req.live_seqs:
+            self._snapshot(req, seq)
             seq.swapped = {
                 "private": seq.kv.private_state(),
                 "images": [self.kv.image(b) for b in seq.kv.table.ids],
@@ -184,6 +204,103 @@ class Engine:
         req.status = req.resume_status
         return True
 
+    # ---- tiers ------------------------------------------------------------------------------------
+    def _snapshot(self, req: Request, seq: Sequence) -> None:
+        """Put an encoder snapshot at P = len(tokens fed) into the snapshot pool (fire and forget)."""
+        if self.tiers is None or not seq.kv.tokens or not len(seq.kv.table):
+            return
+        bs = self.block_size
+        p = len(seq.kv.tokens)
+        b = p // bs
+        if len(seq.hashes) < b:
+            return  # a full block is not hashed yet (cannot happen after cache_new_full_blocks)
+        parent = seq.hashes[b - 1] if b else req.namespace
+        tail = self.kv.image(seq.kv.table.ids[b]) if p % bs else b""
+        payload = encode_snapshot(seq.kv, self.model.cfg.n_encoder_layers, tail, self._partial_order)
+        self.tiers.put_snapshot(SnapshotKey.for_tail(req.namespace, parent, seq.kv.tokens[b * bs : p]), payload)
+        req.persisted_bytes += len(payload)
+
+    def _start_lookup(self, req: Request):
+        cfg = self.model.cfg
+        return self.tiers.lookup(LookupQuery(req.namespace, req.prompt, req.hashes, req.hbm_blocks,
+                                             self.block_size, cfg.sliding_window))
+
+    def _apply_lookup(self, req: Request) -> bool:
+        """LOADING -> ready: install SSD blocks and the snapshot (or set up encoder replay, or cold).
+
+        Returns False (the request stays LOADING and retries next step) when the pool is short.
+        """
+        res = req.lookup.result()
+        seq = req.seqs[0]
+        bs, w = self.block_size, self.model.cfg.sliding_window
+        k_hbm = req.hbm_blocks
+        images = res.ssd_images
+        point = res.snapshot_point
+        if point is not None:
+            b = point // bs
+            images = images[: max(0, b - k_hbm)]
+        need = len(images) + (1 if point is not None and point % bs else 0)
+        fresh = self.pool.allocate(need) if need else []
+        if fresh is None:
+            return False
+        self.tiers.stats.snapshot_lookups[res.snapshot_result] += 1
+        hbm_ids = seq.kv.table.ids
+        for j, (blk, image) in enumerate(zip(fresh, images)):
+            self.kv.load_image(blk.block_id, image)
+            self.pool.cache_full_block(blk, req.hashes[k_hbm + j])
+        self.tiers.stats.ssd_blocks_loaded += len(images)
+        loaded = [blk.block_id for blk in fresh[: len(images)]]
+        if point is not None:
+            b = point // bs
+            keep = hbm_ids[: min(k_hbm, b)]
+            self.pool.free([self.pool.blocks[i] for i in hbm_ids[len(keep):]])
+            table = keep + loaded
+            try:
+                if point % bs:
+                    table.append(fresh[-1].block_id)
+                seq.kv.table.replace(table)
+                tail = decode_snapshot(res.snapshot_payload, seq.kv, self.model.cfg.n_encoder_layers,
+                                       self._partial_order, point, self.layout.block_bytes)
+                if point % bs:
+                    self.kv.load_image(fresh[-1].block_id, tail)
+            except ValueError:
+                log.warning("snapshot for request %s failed validation; falling back", req.request_id)
+                self.tiers.stats.snapshot_lookups["error"] += 1
+                if point % bs:
+                    self.pool.free([fresh[-1]])
+                    table.pop()
+                seq.kv.table.replace(table)
+                seq.kv.rings.clear(range(0, self.model.cfg.num_hidden_layers))
+                seq.kv.partial = {s: None for s in self._partial_order}
+                seq.kv.enc_start = seq.kv.write_from = 0
+                return self._finish_replay_setup(req, seq, len(table), k_hbm)
+            seq.kv.tokens = list(req.prompt[:point])
+            for store in seq.kv.stores.values():
+                store.count = point // (bs // store.per_block)
+            seq.hashes = list(req.hashes[:b])
+            req.prefilled = point
+            req.cached_tokens = point
+            req.hbm_tokens = len(keep) * bs
+            req.ssd_tokens = len(loaded) * bs
+            req.snapshot_tokens = point - b * bs
+            self.scheduler.prefix_hits_tokens += point
+            return True
+        seq.kv.table.replace(hbm_ids + loaded)
+        return self._finish_replay_setup(req, seq, len(seq.kv.table), k_hbm)
+
+    def _finish_replay_setup(self, req: Request, seq: Sequence, n_blocks: int, k_hbm: int) -> bool:
+        """Without a snapshot: encoder bounded replay from the block-aligned hit, or a cold start."""
+        bs, w = self.block_size, self.model.cfg.sliding_window
+        if n_blocks * bs < w:
+            self.scheduler.free_seq(seq)
+            seq.hashes = []
+            return True
+        seq.hashes = list(req.hashes[:n_blocks])
+        self.scheduler.setup_replay(req, seq, n_blocks * bs)
+        req.hbm_tokens = min(k_hbm, n_blocks) * bs
+        req.ssd_tokens = (n_blocks - min(k_hbm, n_blocks)) * bs
+        return True
+
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, update. Returns the outputs of every request touched."""
@@ -195,7 +312,12 @@ class Engine:
                 w.request.first_scheduled = now
         logits = self.runner.execute(batch) if not batch.empty else None
         for w in batch.encoder:
-            self.scheduler.cache_new_full_blocks(w.seq, w.request.namespace)
+            for block_id, h in self.scheduler.cache_new_full_blocks(w.seq, w.request.namespace):
+                if self.tiers is not None:
+                    self.tiers.write_block(h, self.kv.image(block_id))
+                    w.request.persisted_bytes += self.layout.block_bytes
+            if w.request.status is RequestStatus.REPLAY and len(w.seq.kv.tokens) == len(w.request.prompt):
+                self._snapshot(w.request, w.seq)  # prompt end
         if logits is not None:
             rows: list[tuple[Request, Sequence, int]] = []
             for i, w in enumerate(batch.decoder):
@@ -242,6 +364,7 @@ class Engine:
                 if len(seq.output) >= p.max_tokens or len(req.prompt) + len(seq.output) >= self.max_model_len:
                     seq.finish_reason = "length"
             if seq.finished:
+                self._snapshot(req, seq)  # generation end
                 self.scheduler.free_seq(seq)
         for req in {id(r): r for r, _, _ in rows}.values():
             if not req.live_seqs:
@@ -263,8 +386,9 @@ class Engine:
                 choices.append(ChoiceDelta(seq.index, new, lps, seq.finish_reason, seq.stop_token_id))
         finished = req.status is RequestStatus.FINISHED
         cache = CacheUsage(
-            cached_tokens=req.cached_tokens, hbm_tokens=req.cached_tokens,
-            replayed_tokens=req.replayed_tokens, computed_tokens=req.computed_tokens,
+            cached_tokens=req.cached_tokens, hbm_tokens=req.hbm_tokens, ssd_tokens=req.ssd_tokens,
+            snapshot_tokens=req.snapshot_tokens, replayed_tokens=req.replayed_tokens,
+            computed_tokens=req.computed_tokens, persisted_bytes=req.persisted_bytes,
         )
         times = RequestTimes(req.arrival, req.first_scheduled, req.first_token, req.finished_at)
         return RequestOutput(req.request_id, len(req.prompt), tuple(choices), finished, cache, times)
@@ -283,14 +407,41 @@ class Engine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             global_kv_bytes_per_token=self.layout.bytes_per_token(),
+            tiers=self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, float]:
+        if self.tiers is None:
+            return {}
+        t = self.tiers.stats
+        out: dict[str, float] = {
+            "ssd_blocks_written": t.ssd_blocks_written, "ssd_bytes_written": t.ssd_bytes_written,
+            "ssd_write_refused": t.ssd_write_refused, "ssd_blocks_loaded": t.ssd_blocks_loaded,
+            "snapshot_puts": t.snapshot_puts, "snapshot_bytes_written": t.snapshot_bytes_written,
+        }
+        for k, v in t.snapshot_lookups.items():
+            out[f"snapshot_lookup_{k}"] = v
+        if self.tiers.ssd is not None:
+            s = self.tiers.ssd.stats()
+            for name in ("bytes", "entries", "oldest_entry_age_s", "admission_refusals", "expirations",
+                         "corrupt_records", "bytes_read", "bytes_written", "hits", "misses"):
+                out[f"ssd_{name}"] = getattr(s, name)
+        ps = self.tiers.snapshots.stats()
+        for name in ("hits", "misses", "errors", "corrupt", "bytes_written", "bytes_read", "redis_errors"):
+            out[f"snapshot_{name}"] = getattr(ps, name)
+        return out
+
+    def close(self) -> None:
+        """Flush and close the tiers (SSD writer fsyncs what is queued)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check_integrity(self) -> None:
         """Pool invariants plus: every running sequence's blocks are referenced, no block owned twice
         by sequences that are not sharing it through the prefix cache. Raises RuntimeError."""
         self.pool.check_integrity()
         owners: dict[int, int] = {}
-        for req in self.scheduler.running:
+        for req in self.scheduler.running + self.scheduler.loading:
             for seq in req.live_seqs:
                 for b in seq.kv.table.ids:
                     owners[b] = owners.get(b, 0) + 1

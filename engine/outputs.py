@@ -41,6 +41,7 @@ class CacheUsage:
     snapshot_tokens: int = 0  # tokens covered by an exact snapshot resume
     replayed_tokens: int = 0  # encoder + decoder bounded replay tokens
     computed_tokens: int = 0  # prompt tokens run through the encoder
+    persisted_bytes: int = 0  # bytes this request wrote to the persistent tiers (SSD blocks + snapshots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +76,4 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     global_kv_bytes_per_token: float = 0.0
+    tiers: dict[str, float] = field(default_factory=dict)  # tier counters/gauges, flat (see TierManager)

@@ -58,6 +58,13 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens run through the encoder (incl. the cached prefix)
     cached_tokens: int = 0  # prompt tokens whose global KV came from the cache
+    hbm_tokens: int = 0
+    ssd_tokens: int = 0
+    snapshot_tokens: int = 0
+    persisted_bytes: int = 0  # SSD block images + snapshots written for this request
+    hashes: list[BlockHash] | None = None  # the prompt's full-block hashes (tier lookups)
+    hbm_blocks: int = 0  # HBM hits pinned while LOADING
+    lookup: object | None = None  # the pending tier lookup (a concurrent future)
     replayed_tokens: int = 0
     computed_tokens: int = 0
     first_scheduled: float | None = None

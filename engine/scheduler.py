@@ -62,13 +62,16 @@ class Scheduler:
     """Owns the queues and the block accounting; the engine owns the requests' lifetimes."""
 
     def __init__(self, pool: BlockPool, *, block_size: int, window: int, max_num_seqs: int, token_budget: int,
-                 new_sequence, swap_out, swap_in):
+                 new_sequence, swap_out, swap_in, start_lookup=None, apply_lookup=None):
         self.pool = pool
         self.block_size, self.window = block_size, window
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         self._new_sequence = new_sequence  # (request, index) -> Sequence with an empty KV state
         self._swap_out, self._swap_in = swap_out, swap_in  # engine callbacks (they touch the byte pool)
+        # tiers (optional): start a resume lookup at admission, apply its result when it is done
+        self._start_lookup, self._apply_lookup = start_lookup, apply_lookup
         self.waiting: deque[Request] = deque()
+        self.loading: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_queries_tokens = 0
@@ -80,14 +83,14 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Forget a finished or aborted request; the engine has freed its blocks."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        for queue in (self.running, self.loading, self.waiting):
+            if request in queue:
+                queue.remove(request)
+                return
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs) for r in self.running)
+        return sum(len(r.live_seqs) for r in self.running) + len(self.loading)
 
     # ---- blocks ---------------------------------------------------------------------------------
     def _ensure_blocks(self, seq: Sequence, upto_position: int) -> bool:
@@ -110,16 +113,23 @@ class Scheduler:
         self.pool.free(self.blocks_of(seq))
         seq.kv.table.replace([])
 
-    def cache_new_full_blocks(self, seq: Sequence, namespace: BlockHash) -> None:
-        """Hash and register every block that became full (all streams written) since the last call."""
+    def cache_new_full_blocks(self, seq: Sequence, namespace: BlockHash) -> list[tuple[int, BlockHash]]:
+        """Hash and register every block that became full (all streams written) since the last call.
+
+        Returns the (block id, hash) pairs registered (the caller writes them through to SSD).
+        """
         bs = self.block_size
         tokens = seq.kv.tokens
+        new = []
         while (len(seq.hashes) + 1) * bs <= len(tokens) and len(seq.hashes) < len(seq.kv.table):
             k = len(seq.hashes)
             parent = seq.hashes[-1] if seq.hashes else namespace
             h = hash_block(parent, tokens[k * bs : (k + 1) * bs])
             seq.hashes.append(h)
-            self.pool.cache_full_block(self.pool.blocks[seq.kv.table.ids[k]], h)
+            block_id = seq.kv.table.ids[k]
+            self.pool.cache_full_block(self.pool.blocks[block_id], h)
+            new.append((block_id, h))
+        return new
 
     # ---- admission --------------------------------------------------------------------------------
     def _admit(self, req: Request) -> bool:
@@ -133,27 +143,49 @@ class Scheduler:
         if k * bs < w:
             k = 0
         r = k * bs
+        req.seqs = [seq]
+        if self._start_lookup is not None:
+            # pin every HBM hit while the tiers are asked for more (SSD blocks, a snapshot)
+            self.pool.touch(matched)
+            seq.kv.table.replace([b.block_id for b in matched])
+            req.hashes = hashes
+            req.hbm_blocks = len(matched)
+            req.lookup = self._start_lookup(req)
+            req.status = RequestStatus.LOADING
+            return True
         self.pool.touch(matched[:k])
         seq.kv.table.replace([b.block_id for b in matched[:k]])
         seq.hashes = list(hashes[:k])
         if r:
-            self.prefix_hits_tokens += r
-            start = r - w
-            seq.kv.write_from, seq.kv.enc_start = r, start
-            seq.kv.tokens = list(req.prompt[:start])
-            for store in seq.kv.stores.values():
-                store.count = r // (bs // store.per_block)
-            req.prefilled = start
-            req.cached_tokens = r
-            req.replayed_tokens += w
-        req.seqs = [seq]
+            self.setup_replay(req, seq, r)
+            req.hbm_tokens = r
         req.status = RequestStatus.PREFILL
         return True
+
+    def setup_replay(self, req: Request, seq: Sequence, r: int) -> None:
+        """Encoder bounded replay from a block-aligned hit r >= window (the first r // bs blocks are in
+        the table): keep their entries, re-encode [r - W, ...) with the window truncated at r - W."""
+        start = r - self.window
+        seq.kv.write_from, seq.kv.enc_start = r, start
+        seq.kv.tokens = list(req.prompt[:start])
+        for store in seq.kv.stores.values():
+            store.count = r // (self.block_size // store.per_block)
+        req.prefilled = start
+        req.cached_tokens = r
+        req.replayed_tokens += self.window
+        self.prefix_hits_tokens += r
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
+
+        # 0. tier lookups that finished: LOADING -> PREFILL (a lookup in flight never blocks the step)
+        for req in list(self.loading):
+            if req.lookup.done() and self._apply_lookup(req):
+                self.loading.remove(req)
+                req.status = RequestStatus.PREFILL
+                self.running.append(req)
 
         # 1. decode: one token per live sequence, oldest requests first; preempt the newest on shortage
         for req in list(self.running):
@@ -197,6 +229,9 @@ class Scheduler:
             else:
                 self.waiting.popleft()
                 self._admit(req)
+                if req.status is RequestStatus.LOADING:
+                    self.loading.append(req)
+                    continue
                 self.running.append(req)
             if req.status is RequestStatus.PREFILL:
                 budget = self._schedule_prefill(req, budget, out)

@@ -1,0 +1,178 @@
+"""The KV tiers as the engine uses them: SSD write-through, snapshot puts, resume lookups (DESIGN §5).
+
+    engine thread                         tier I/O thread (its own asyncio loop)
+    write_block(hash, image) ---------->  SSDWriter (batched appends + fsync, its own thread)
+    put_snapshot(key, payload) ------->   snapshot pool .put (Redis with a bounded timeout / embedded)
+    lookup(query) -> Future ---------->   SSD index probe, snapshot directory + get, SSD block reads
+The engine never waits: a request whose lookup is pending sits in LOADING and the step goes on. Any
+tier failure is a miss (counted), never an error for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from flashtier.kvstore.block_hash import BlockHash
+from flashtier.kvstore.config import KVStoreConfig
+from flashtier.kvstore.redis_snapshot_pool import snapshot_pool_from_config
+from flashtier.kvstore.snapshot import SnapshotKey
+from flashtier.kvstore.ssd_store import SSDStore
+from flashtier.kvstore.ssd_writer import SSDWriter
+
+log = logging.getLogger("flashtier.engine.tiers")
+
+SNAPSHOT_SEARCH_BLOCKS = 64  # how many block boundaries below the best candidate a lookup probes
+
+
+@dataclass(frozen=True)
+class LookupQuery:
+    namespace: BlockHash
+    prompt: list[int]
+    hashes: list[BlockHash]  # chained hashes of the prompt's full blocks
+    hbm_blocks: int  # leading blocks already found in the runtime pool
+    block_size: int
+    window: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    ssd_images: list[bytes]  # images of blocks hbm_blocks .. hbm_blocks + len - 1, read from SSD
+    snapshot_point: int | None = None  # P of the snapshot found (None: no usable snapshot)
+    snapshot_payload: bytes | None = None
+    snapshot_result: str = "miss"  # hit | miss | error | none (no candidate)
+
+
+@dataclass
+class TierStats:
+    """Counters of the engine's tier use (monotonic)."""
+
+    ssd_blocks_written: int = 0
+    ssd_bytes_written: int = 0
+    ssd_write_refused: int = 0
+    ssd_blocks_loaded: int = 0
+    snapshot_puts: int = 0
+    snapshot_bytes_written: int = 0
+    snapshot_lookups: dict[str, int] = field(default_factory=lambda: {"hit": 0, "miss": 0, "error": 0, "none": 0})
+    lookups: int = 0
+
+
+class TierManager:
+    """SSD store + writer, snapshot pool and the I/O loop; one per engine."""
+
+    def __init__(self, config: KVStoreConfig, *, ssd_clock=None):
+        self.config = config
+        self.stats = TierStats()
+        self.ssd = None
+        self.writer = None
+        if config.ssd_dir is not None:
+            kw = {"clock": ssd_clock} if ssd_clock is not None else {}
+            self.ssd = SSDStore(config, **kw)
+            self.writer = SSDWriter(self.ssd)
+        self.snapshots = snapshot_pool_from_config(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flashtier-tier-io", daemon=True)
+        self._thread.start()
+        self._pending: set[concurrent.futures.Future] = set()
+
+    # ---- writes (fire and forget) ----------------------------------------------------------------
+    def write_block(self, key: BlockHash, image: bytes) -> None:
+        """Write-through of a completed full block; the result is only counted."""
+        if self.writer is None:
+            return
+        fut = self.writer.submit(key, image)
+        fut.add_done_callback(lambda f, n=len(image): self._count_write(f, n))
+
+    def _count_write(self, fut: concurrent.futures.Future, nbytes: int) -> None:
+        try:
+            ok = fut.result().ok
+        except Exception:  # noqa: BLE001 - a failed write is a future miss
+            ok = False
+        if ok:
+            self.stats.ssd_blocks_written += 1
+            self.stats.ssd_bytes_written += nbytes
+        else:
+            self.stats.ssd_write_refused += 1
+
+    def put_snapshot(self, key: SnapshotKey, payload: bytes) -> None:
+        self.stats.snapshot_puts += 1
+        self.stats.snapshot_bytes_written += len(payload)
+        self._submit(self.snapshots.put(key, payload))
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        return fut
+
+    # ---- lookups ----------------------------------------------------------------------------------
+    def lookup(self, query: LookupQuery) -> concurrent.futures.Future:
+        """Start a resume lookup; the future yields a ``LookupResult`` (never raises)."""
+        self.stats.lookups += 1
+        return self._submit(self._lookup(query))
+
+    async def _lookup(self, q: LookupQuery) -> LookupResult:
+        try:
+            return await self._lookup_inner(q)
+        except Exception:  # noqa: BLE001 - any tier failure is a miss
+            log.exception("tier lookup failed; treating it as a miss")
+            return LookupResult([], snapshot_result="error")
+
+    async def _lookup_inner(self, q: LookupQuery) -> LookupResult:
+        bs, n = q.block_size, len(q.prompt)
+        available = q.hbm_blocks
+        if self.ssd is not None:
+            while available < len(q.hashes) and self.ssd.entry(q.hashes[available]) is not None:
+                available += 1
+        # the longest snapshot point P <= n - window whose full blocks are all available
+        best_b = min(available, max(0, n - q.window) // bs)
+        point = payload = None
+        result = "none"
+        for b in range(best_b, max(-1, best_b - SNAPSHOT_SEARCH_BLOCKS), -1):
+            parent = q.hashes[b - 1] if b else q.namespace
+            points = await self.snapshots.points(q.namespace, parent)
+            for tail_len in sorted(points, reverse=True):
+                p = b * bs + tail_len
+                if tail_len >= bs or p > n - q.window or p < 1:
+                    continue
+                key = SnapshotKey.for_tail(q.namespace, parent, q.prompt[b * bs : p])
+                if key.tail_hash.hex() != points[tail_len]:
+                    continue
+                data = await self.snapshots.get(key)
+                if data is not None:
+                    point, payload, result = p, data, "hit"
+                    break
+                result = "miss"
+            if point is not None:
+                break
+        need = available if point is None else point // bs
+        images: list[bytes] = []
+        if self.ssd is not None and need > q.hbm_blocks:
+            got = await self._loop.run_in_executor(None, self.ssd.get_many, q.hashes[q.hbm_blocks : need])
+            for image in got:
+                if image is None:
+                    break
+                images.append(image)
+            if len(images) < need - q.hbm_blocks and point is not None:
+                point, payload, result = None, None, "miss"  # a block under the snapshot vanished
+        return LookupResult(images, point, payload, result)
+
+    def close(self) -> None:
+        for fut in list(self._pending):
+            try:
+                fut.result(timeout=2)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            asyncio.run_coroutine_threadsafe(self.snapshots.close(), self._loop).result(timeout=2)
+        except Exception:  # noqa: BLE001
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=2)
+        if self.writer is not None:
+            self.writer.close(timeout=10)
+        if self.ssd is not None:
+            self.ssd.close()

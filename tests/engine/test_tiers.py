@@ -1,0 +1,136 @@
+"""The engine with its tiers: SSD write-through, snapshots at prompt/generation end, exact and
+bounded-replay resume, restart on the same SSD directory and Redis (real redis-server on loopback).
+
+float64 mode: an exact resume must give the tokens of a cold run of the same prompt; a resume by
+encoder bounded replay must give the oracle's plan (c).
+"""
+
+import time
+
+import pytest
+import torch
+
+from flashtier.engine.config import EngineConfig
+from flashtier.engine.engine import Engine
+from flashtier.engine.model.reference import Plan, reference_forward
+from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.tiers import TierManager
+from flashtier.kvstore.config import KVStoreConfig
+
+from ..kvstore.redis_server import RedisServer
+from .conftest import random_prompt
+
+BS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _kv(tmp_path, **kw):
+    return KVStoreConfig(block_size=BS, num_blocks=300, ssd_dir=str(tmp_path / "ssd"), **kw)
+
+
+def _engine(model, kv_config, tiers=True):
+    return Engine(model, EngineConfig(max_num_batched_tokens=256), kv_config,
+                  TierManager(kv_config) if tiers else None)
+
+
+def _turn(engine, rid, prompt, params=GREEDY):
+    engine.add_request(rid, prompt, params)
+    tokens, last = [], None
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens += [t for c in out.choices for t in c.token_ids]
+            last = out
+        engine.check_integrity()
+        if engine.scheduler.loading:
+            time.sleep(0.002)  # a tier lookup is in flight on the I/O thread
+    return tokens, last.cache
+
+
+def _flush(engine):
+    engine.tiers.writer.flush(timeout=10)
+    for fut in list(engine.tiers._pending):
+        fut.result(timeout=10)
+
+
+def _cold(model, prompt):
+    return _turn(Engine(model, EngineConfig(max_num_batched_tokens=256),
+                        KVStoreConfig(block_size=BS, num_blocks=300, enable_prefix_caching=False)), "cold", prompt)[0]
+
+
+def test_multi_turn_exact_resume_equals_cold_runs(tiny64, tmp_path):
+    eng = _engine(tiny64, _kv(tmp_path))
+    convo = random_prompt(70, seed=41)
+    for turn in range(3):
+        tokens, cache = _turn(eng, f"t{turn}", convo)
+        assert tokens == _cold(tiny64, convo), f"turn {turn}"
+        if turn:
+            assert cache.snapshot_tokens > 0 or cache.cached_tokens % BS == 0
+            assert cache.cached_tokens == prev_len - 1  # everything fed last turn (the last sample never is)
+            assert cache.computed_tokens == len(convo) - cache.cached_tokens
+        prev_len = len(convo) + len(tokens)
+        convo = convo + tokens + random_prompt(20 + 7 * turn, seed=50 + turn)
+        _flush(eng)
+    stats = eng.stats().tiers
+    assert stats["snapshot_lookup_hit"] == 2 and stats["ssd_blocks_written"] > 0
+    eng.close()
+
+
+def test_restart_resumes_from_ssd_and_redis(tiny64, tmp_path):
+    server = RedisServer().start()
+    try:
+        cfg = _kv(tmp_path, redis_url=server.url)
+        first = _engine(tiny64, cfg)
+        convo = random_prompt(90, seed=42)
+        tokens, _ = _turn(first, "a", convo)
+        _flush(first)
+        first.close()
+        convo = convo + tokens + random_prompt(25, seed=43)
+        second = _engine(tiny64, cfg)  # a fresh process would see exactly this: an empty pool
+        got, cache = _turn(second, "b", convo)
+        assert cache.ssd_tokens > 0 and cache.snapshot_tokens >= 0 and cache.hbm_tokens == 0
+        assert cache.cached_tokens == 90 + len(tokens) - 1
+        assert got == _cold(tiny64, convo)
+        second.close()
+    finally:
+        server.stop()
+
+
+def test_flushed_redis_falls_back_to_encoder_bounded_replay(tiny64, tiny_cfg, tmp_path):
+    server = RedisServer().start()
+    try:
+        cfg = _kv(tmp_path, redis_url=server.url)
+        eng = _engine(tiny64, cfg)
+        convo = random_prompt(100, seed=44)
+        tokens, _ = _turn(eng, "a", convo)
+        _flush(eng)
+        server.client().flushall()
+        convo = convo + tokens + random_prompt(30, seed=45)
+        got, cache = _turn(eng, "b", convo)
+        r = (100 + len(tokens) - 1) // BS * BS
+        assert cache.cached_tokens == r and cache.snapshot_tokens == 0
+        assert cache.replayed_tokens >= tiny_cfg.sliding_window
+        seq = torch.tensor(convo + got[:-1])
+        ref = reference_forward(tiny64, seq, Plan.resume(r, len(convo), seq.numel(), tiny_cfg.sliding_window))
+        assert torch.argmax(ref.logits, -1).tolist() == got
+        assert eng.stats().tiers["snapshot_lookup_hit"] == 0
+        eng.close()
+    finally:
+        server.stop()
+
+
+def test_stopped_redis_is_a_miss_not_a_failure(tiny64, tmp_path):
+    server = RedisServer().start()
+    cfg = _kv(tmp_path, redis_url=server.url, redis_timeout_s=0.2)
+    eng = _engine(tiny64, cfg)
+    convo = random_prompt(60, seed=46)
+    tokens, _ = _turn(eng, "a", convo)
+    server.stop()
+    convo = convo + tokens + random_prompt(20, seed=47)
+    got, cache = _turn(eng, "b", convo)
+    assert got == _cold(tiny64, convo) or cache.replayed_tokens > 0  # served, never failed
+    assert len(got) == GREEDY.max_tokens
+    stats = eng.stats().tiers
+    assert stats["snapshot_redis_errors"] > 0
+    eng.close()
