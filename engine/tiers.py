@@ -81,8 +81,8 @@ class TierManager:
     # ---- writes (fire and forget) ----------------------------------------------------------------
     def write_block(self, key: BlockHash, image: bytes) -> None:
         """Write-through of a completed full block; the result is only counted."""
-        if self.writer is None:
-            return
+        if self.writer is None or key in self.ssd:
+            return  # already on disk: a hit older than the refresh age re-appends it there
         fut = self.writer.submit(key, image)
         fut.add_done_callback(lambda f, n=len(image): self._count_write(f, n))
 

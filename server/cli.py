@@ -1,12 +1,19 @@
-"""The ``flashtier`` command: ``inspect``, ``generate`` and (later) ``serve``."""
+"""The ``flashtier`` command: ``inspect``, ``generate`` and ``serve``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from flashtier.engine.client import EngineClient
+    from flashtier.server.settings import ServerSettings
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -55,6 +62,53 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    import uvicorn
+
+    from flashtier.server.app import create_app
+    from flashtier.server.settings import DEMO_NOTE, build_settings
+
+    settings = build_settings(args, os.environ)
+    level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)-9s %(name)s: %(message)s")
+    if settings.is_demo:
+        print(f"note: {DEMO_NOTE}", file=sys.stderr)
+    app = create_app(settings, _engine_factory(settings))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=settings.drain_timeout_s)
+    return 0
+
+
+def _engine_factory(settings: ServerSettings) -> Callable[[ServerSettings], EngineClient]:
+    if settings.engine == "scripted":  # hidden --engine scripted: the API without a model (tests, demos)
+        from flashtier.server.scripted_engine import ScriptedEngineClient
+        from flashtier.server.tokenizer import Tokenizer
+
+        def scripted(s: ServerSettings) -> EngineClient:
+            tok = Tokenizer.from_model_dir(s.model_dir)
+            reply = tok.encode(" ".join(f"tick {i}." for i in range(1, 65)), allow_special=False)
+            return ScriptedEngineClient(reply + [tok.eos_id], eos_token_id=tok.eos_id, step_delay_s=0.02,
+                                        max_model_len=s.max_model_len or 8192, vocab_size=tok.vocab_size)
+
+        return scripted
+
+    def model_engine(s: ServerSettings) -> EngineClient:
+        # imported when the server starts, so this module imports before the engine exists
+        try:
+            from flashtier.engine.async_engine import build_async_engine
+        except ModuleNotFoundError as exc:
+            if exc.name != "flashtier.engine.async_engine":
+                raise
+            raise RuntimeError("this build has no engine yet (flashtier.engine.async_engine); "
+                               "`flashtier serve --engine scripted` serves the API with a scripted reply") from None
+        return build_async_engine(s)
+
+    return model_engine
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashtier", description="DeepSeek-V4.1-Flash serving daemon")
     sub = p.add_subparsers(dest="command", required=True)
@@ -75,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--weights-seed", type=int, default=0, help=argparse.SUPPRESS)
     gen.set_defaults(func=_generate)
+
+    from flashtier.server.settings import add_serve_arguments
+
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (no MODEL_DIR: the demo 'tiny' model)")
+    add_serve_arguments(srv)
+    srv.set_defaults(func=_serve)
     return p
 
 
