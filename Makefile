@@ -26,10 +26,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
-# Until the HTTP server lands, the demo shows the model: its layer table, KV accounting and a completion.
+# The demo server on the embedded defaults: the tiny model with seeded random weights, 127.0.0.1:8000.
 serve: $(STAMP)
-	$(VENV)/bin/flashtier inspect --preset tiny
-	$(VENV)/bin/flashtier generate --preset tiny --prompt "Hello from flashtier" --max-tokens 16
+	$(VENV)/bin/flashtier serve
 
 test: $(STAMP) $(SYS_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu"

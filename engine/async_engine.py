@@ -105,6 +105,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)  # flush the SSD writer
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _send(self, command: tuple) -> None:

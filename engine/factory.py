@@ -13,6 +13,7 @@ from .model.config import preset
 from .model.init import random_model
 from .model.loader import load_model
 from .model.transformer import Transformer
+from .tiers import TierManager
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -31,16 +32,27 @@ def build_model(config: EngineConfig) -> Transformer:
 
 
 def build_engine(
-    config: EngineConfig, kv_config: KVStoreConfig | None = None, token_map: torch.Tensor | None = None
+    config: EngineConfig,
+    kv_config: KVStoreConfig | None = None,
+    token_map: torch.Tensor | None = None,
+    *,
+    tiers: bool = False,
 ) -> Engine:
+    """``tiers``: attach a ``TierManager`` (SSD tier when ``kv_config.ssd_dir`` is set, snapshot pool:
+    Redis when ``redis_url`` is set, else the embedded pool)."""
     model = build_model(config)
     if token_map is not None:
         model.set_token_map(token_map.to(model.device))
-    return Engine(model, config, kv_config)
+    kv_config = kv_config or KVStoreConfig()
+    return Engine(model, config, kv_config, TierManager(kv_config) if tiers else None)
 
 
 def build_async_engine(
-    config: EngineConfig, kv_config: KVStoreConfig | None = None, token_map: torch.Tensor | None = None
+    config: EngineConfig,
+    kv_config: KVStoreConfig | None = None,
+    token_map: torch.Tensor | None = None,
+    *,
+    tiers: bool = False,
 ) -> AsyncEngine:
     """A started ``AsyncEngine`` (implements ``EngineClient``)."""
-    return AsyncEngine(build_engine(config, kv_config, token_map)).start()
+    return AsyncEngine(build_engine(config, kv_config, token_map, tiers=tiers)).start()

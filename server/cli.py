@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -96,15 +97,22 @@ def _engine_factory(settings: ServerSettings) -> Callable[[ServerSettings], Engi
         return scripted
 
     def model_engine(s: ServerSettings) -> EngineClient:
-        # imported when the server starts, so this module imports before the engine exists
-        try:
-            from flashtier.engine.async_engine import build_async_engine
-        except ModuleNotFoundError as exc:
-            if exc.name != "flashtier.engine.async_engine":
-                raise
-            raise RuntimeError("this build has no engine yet (flashtier.engine.async_engine); "
-                               "`flashtier serve --engine scripted` serves the API with a scripted reply") from None
-        return build_async_engine(s)
+        import dataclasses
+
+        from flashtier.engine.factory import build_async_engine
+        from flashtier.engine.model.config import resolve
+        from flashtier.engine.model.loader import demo_checkpoint
+        from flashtier.server.engram_map import engram_token_map
+        from flashtier.server.tokenizer import Tokenizer
+
+        config = s.engine_config()
+        if s.is_demo:  # the demo checkpoint (seeded random weights) in the cache directory
+            path = demo_checkpoint(os.path.join(s.cache_dir, "models"), s.effective_preset, s.weights_seed)
+            config = dataclasses.replace(config, model_dir=str(path))
+        cfg = resolve(config.model_dir, s.effective_preset)
+        tok = Tokenizer(s.tokenizer) if s.tokenizer else Tokenizer.from_model_dir(s.model_dir)
+        token_map, _ = engram_token_map(tok, cfg.vocab_size, cfg.engram_compressed_vocab)
+        return build_async_engine(config, s.kvstore, token_map, tiers=True)
 
     return model_engine
 

@@ -52,7 +52,10 @@ def load_model(
     model.token_map = default_token_map(cfg).to(device)  # the meta buffer has no values
     params = dict(model.named_parameters())
     expected = {k: tuple(v.shape) for k, v in params.items()}
-    for name, tensor in CheckpointReader(model_dir).load(expected, dtype=torch.float32, device=device, progress=progress):
+    # without the drafter the mtp.* tensors are expected extras (skipped with one log line)
+    reader = CheckpointReader(model_dir)
+    for name, tensor in reader.load(expected, dtype=torch.float32, device=device, progress=progress,
+                                    strict=with_dspark):
         params[name].copy_(tensor.to(params[name].dtype))
     return model.eval()
 

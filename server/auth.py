@@ -1,0 +1,57 @@
+"""API-key check on /v1/*: ``Authorization: Bearer KEY`` must name one of the configured keys.
+
+Only paths under /v1 are guarded (as vLLM does): /health and /metrics stay open for load balancers
+and Prometheus, as do /tokenize, /detokenize and the OpenAPI document. With no key configured every
+path is open. Keys are compared in constant time; the scheme name is case-insensitive.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Sequence
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from flashtier.server.errors import error_body
+
+PROTECTED_PREFIX = "/v1"
+
+
+def is_protected(path: str) -> bool:
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (it never wraps the body stream, so disconnect detection is unaffected)."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
+        self.app = app
+        self._keys = tuple(k.encode("utf-8") for k in api_keys)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").strip().partition(" ")
+                if scheme.lower() != "bearer":
+                    return False
+                supplied = token.strip().encode("latin-1")
+                # check every key, so timing does not tell which one nearly matched
+                return any([hmac.compare_digest(supplied, key) for key in self._keys])
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._keys or not is_protected(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        if self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        has_header = any(name == b"authorization" for name, _ in scope.get("headers", ()))
+        message = ("Incorrect API key provided" if has_header
+                   else "Missing API key: send it as the header `Authorization: Bearer KEY`")
+        body = json.dumps(error_body(401, message, code="invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,164 @@
+"""What the routes share: ``ServerState`` (settings, tokenizer, metrics, the engine client) and the
+request checks and mappings common to chat and completions (model name, context length, sampling
+parameters, usage, logprob entries)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+
+from flashtier.engine.client import EngineClient
+from flashtier.engine.outputs import CacheUsage, TokenLogprob
+from flashtier.engine.sampling_params import SamplingParams
+from flashtier.server.errors import BadRequest, NotFound, ServiceUnavailable
+from flashtier.server.metrics import ServerMetrics
+from flashtier.server.protocol import SamplingFields
+from flashtier.server.settings import ServerSettings
+from flashtier.server.streaming import TokenTexts, check_text
+from flashtier.server.tokenizer import Tokenizer
+
+# Logprobs are clamped to this so that JSON never carries -Infinity.
+MIN_LOGPROB = -9999.0
+
+
+class ServerState:
+    """Per-app state, at ``app.state.flashtier``; ``engine`` is set by the lifespan once it is built."""
+
+    def __init__(self, settings: ServerSettings, tokenizer: Tokenizer, metrics: ServerMetrics) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.engine: EngineClient | None = None
+        self.token_texts = TokenTexts(tokenizer)
+        self.created = int(time.time())
+        self.think_end_id = tokenizer.token_to_id("</think>")
+
+    def require_engine(self) -> EngineClient:
+        engine = self.engine
+        if engine is None:
+            raise ServiceUnavailable("the engine is starting; retry later")
+        try:
+            ready = engine.is_ready()
+        except Exception:
+            ready = False
+        if not ready:
+            raise ServiceUnavailable("the engine is not ready (loading or stopped); retry later")
+        return engine
+
+    def resolve_model(self, name: str | None) -> str:
+        names = self.settings.model_names
+        if name is None or name == "":
+            return names[0]
+        if name in names:
+            return name
+        raise NotFound(f"the model {name!r} does not exist; this server serves {list(names)}", param="model",
+                       code="model_not_found")
+
+    @property
+    def max_model_len(self) -> int | None:
+        if self.engine is not None:
+            try:
+                return self.engine.max_model_len
+            except Exception:
+                return self.settings.max_model_len
+        return self.settings.max_model_len
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.flashtier
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, *, prompt_param: str,
+                       tokens_param: str) -> int:
+    """max_tokens for the engine: the request's, else what is left of the context; 400 on overflow."""
+    if prompt_len == 0:
+        raise BadRequest("the prompt is empty", param=prompt_param)
+    if prompt_len >= max_model_len or (requested is not None and prompt_len + requested > max_model_len):
+        asked = f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion)" \
+            if requested is not None else f"{prompt_len} tokens in the prompt, leaving no room for a completion"
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {asked}. "
+            "Please reduce the length of the prompt or of the completion.",
+            param=tokens_param if requested is not None else prompt_param, code="context_length_exceeded")
+    return requested if requested is not None else max_model_len - prompt_len
+
+
+def check_common(state: ServerState, body: SamplingFields) -> None:
+    """Checks shared by chat and completions that pydantic's per-field ranges cannot express."""
+    if body.n > state.settings.max_n:
+        raise BadRequest(f"n must be at most {state.settings.max_n} on this server, got {body.n}", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options can only be set when stream is true", param="stream_options")
+    if body.logit_bias:
+        raise BadRequest("logit_bias is not supported", param="logit_bias")
+    for name in ("stop", "cache_salt", "user"):
+        check_text(getattr(body, name), name)
+
+
+def build_sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def clamp_logprob(value: float) -> float:
+    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
+
+
+def chat_logprob_entry(texts: TokenTexts, lp: TokenLogprob, top: int) -> dict[str, Any]:
+    text, raw = texts.get(lp.token_id)
+    alternatives = []
+    for token_id, value in lp.top[:top]:
+        alt_text, alt_raw = texts.get(token_id)
+        alternatives.append({"token": alt_text, "logprob": clamp_logprob(value), "bytes": alt_raw})
+    return {"token": text, "logprob": clamp_logprob(lp.logprob), "bytes": raw, "top_logprobs": alternatives}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int,
+               cache: CacheUsage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cache.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "flashtier": {
+            "cached_tokens_by_tier": {"hbm": cache.hbm_tokens, "ssd": cache.ssd_tokens,
+                                      "snapshot": cache.snapshot_tokens},
+            "replayed_tokens": cache.replayed_tokens,
+            "computed_tokens": cache.computed_tokens,
+            "persisted_bytes": cache.persisted_bytes,
+        },
+    }
+
+
+def sum_cache(caches: Sequence[CacheUsage]) -> CacheUsage:
+    names = [f.name for f in dataclasses.fields(CacheUsage)]
+    return CacheUsage(**{name: sum(getattr(c, name) for c in caches) for name in names})
