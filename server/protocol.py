@@ -162,6 +162,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM extension: choices carry prompt_token_ids and token_ids
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -308,6 +309,8 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids: the generated ids (stop token excluded)
 
 
 class CompletionResponse(_Response):

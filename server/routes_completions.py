@@ -66,6 +66,7 @@ class CompletionChoiceState:
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
     def logprobs_of(self, state: ServerState, step: TextStep, k: int) -> dict[str, Any]:
         """Logprob lists for the step's tokens (appended to the choice's totals as well)."""
@@ -208,6 +209,7 @@ async def _complete(run: CompletionRun) -> dict[str, Any]:
                 choice = run.choice_of(i, delta.index)
                 step = choice.text.add(delta)
                 choice.pieces.append(step.text)
+                choice.token_ids.extend(delta.token_ids)
                 if k is not None:
                     choice.logprobs_of(run.state, step, k)
             if all(c.text.finished for c in run.choices):
@@ -225,6 +227,8 @@ async def _complete(run: CompletionRun) -> dict[str, Any]:
                                                 "top_logprobs": c.top_logprobs, "text_offset": c.text_offset},
             "finish_reason": c.text.finish_reason,
             "stop_reason": c.text.stop_reason,
+            **({"prompt_token_ids": run.streams[c.index // run.body.n].prompt_token_ids,
+                "token_ids": c.token_ids} if run.body.return_token_ids else {}),
         } for c in run.choices],
         "usage": run.usage(),
         "system_fingerprint": None,

@@ -1,0 +1,177 @@
+"""Tiered KV through the HTTP API with real processes: `flashtier serve` (the demo model in float64 mode),
+a real redis-server, an SSD directory. The conversation uses token-id prompts (`return_token_ids`) so
+each turn resends exactly the previous prompt + output, as an agent harness does with a real model.
+
+Exact resume must give the tokens of a cold run of the same prompt on a server with caching off; a
+resume by encoder bounded replay must give the oracle's plan (c).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from ..kvstore.redis_server import RedisServer, free_port
+
+BS = 64
+W = 16  # the tiny preset's window
+
+
+class Server:
+    def __init__(self, cache_dir, *args: str):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "flashtier.server.cli", "serve", "--port", str(self.port), "--dtype",
+               "float64", "--block-size", str(BS), "--num-blocks", "600", "--cache-dir", str(cache_dir),
+               "--max-num-batched-tokens", "1024", "--log-level", "warning", *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become healthy")
+
+    def complete(self, prompt: list[int], max_tokens: int = 8) -> dict:
+        r = httpx.post(self.url + "/v1/completions", timeout=600, json={
+            "model": "flashtier-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _chunk(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128000, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def redis():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """The reference: a server with prefix caching and persistence off."""
+    server = Server(tmp_path_factory.mktemp("cold"), "--no-prefix-caching", "--no-kv-persist")
+    yield server
+    server.stop()
+
+
+def _wait_persisted(server: Server) -> None:
+    time.sleep(1.5)  # the SSD writer fsyncs each batch as soon as it is queued; snapshots are async puts
+
+
+@pytest.mark.slow
+def test_four_turn_conversation_past_8k_tokens_resumes_exactly(tmp_path, redis, cold):
+    srv = Server(tmp_path, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
+    try:
+        prompt = _chunk(2200, seed=1)
+        previous = None
+        for turn in range(4):
+            got = srv.complete(prompt)
+            choice = got["choices"][0]
+            assert choice["token_ids"] == cold.complete(prompt)["choices"][0]["token_ids"], f"turn {turn}"
+            usage = got["usage"]
+            if previous is not None:
+                # everything fed last turn is cached: prompt + output minus the last sample (never fed)
+                assert usage["prompt_tokens_details"]["cached_tokens"] == previous - 1
+                tiers = usage["flashtier"]["cached_tokens_by_tier"]
+                assert tiers["hbm"] + tiers["ssd"] + tiers["snapshot"] == previous - 1
+                assert usage["flashtier"]["computed_tokens"] == len(prompt) - (previous - 1)
+            previous = len(prompt) + len(choice["token_ids"])
+            prompt = prompt + choice["token_ids"] + _chunk(2100, seed=10 + turn)
+        assert previous > 8000
+        assert srv.metric("flashtier_snapshot_lookup_hit") >= 3
+    finally:
+        srv.stop()
+
+
+def test_restart_after_sigkill_resumes_from_ssd_and_snapshot(tmp_path, redis, cold):
+    kv = str(tmp_path / "kv")
+    srv = Server(tmp_path, "--kv-dir", kv, "--redis-url", redis.url)
+    prompt = _chunk(700, seed=2)
+    first = srv.complete(prompt)["choices"][0]["token_ids"]
+    _wait_persisted(srv)
+    srv.kill()
+    prompt = prompt + first + _chunk(100, seed=3)
+    srv = Server(tmp_path, "--kv-dir", kv, "--redis-url", redis.url)
+    try:
+        got = srv.complete(prompt)
+        usage = got["usage"]
+        tiers = usage["flashtier"]["cached_tokens_by_tier"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 700 + len(first) - 1
+        assert tiers["hbm"] == 0 and tiers["ssd"] == (700 + len(first) - 1) // BS * BS
+        assert tiers["snapshot"] == (700 + len(first) - 1) % BS
+        assert got["choices"][0]["token_ids"] == cold.complete(prompt)["choices"][0]["token_ids"]
+    finally:
+        srv.stop()
+
+
+def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(tmp_path, redis):
+    from flashtier.engine.model.loader import load_model
+    from flashtier.engine.model.reference import Plan, reference_forward
+    from flashtier.server.engram_map import engram_token_map
+    from flashtier.server.tokenizer import Tokenizer
+
+    srv = Server(tmp_path, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
+    try:
+        prompt = _chunk(300, seed=4)
+        first = srv.complete(prompt)["choices"][0]["token_ids"]
+        _wait_persisted(srv)
+        misses_before = srv.metric("flashtier_snapshot_lookup_none") + srv.metric("flashtier_snapshot_lookup_miss")
+        redis.client().flushall()
+        prompt = prompt + first + _chunk(60, seed=5)
+        got = srv.complete(prompt)
+        toks = got["choices"][0]["token_ids"]
+        usage = got["usage"]
+        r = (300 + len(first) - 1) // BS * BS
+        assert usage["prompt_tokens_details"]["cached_tokens"] == r
+        assert usage["flashtier"]["cached_tokens_by_tier"]["snapshot"] == 0
+        assert usage["flashtier"]["replayed_tokens"] >= 2 * W  # encoder replay + decoder replay
+        misses = srv.metric("flashtier_snapshot_lookup_none") + srv.metric("flashtier_snapshot_lookup_miss")
+        assert misses > misses_before
+        assert srv.metric("flashtier_prompt_tokens_replayed") > 0
+    finally:
+        srv.stop()
+    model = load_model(tmp_path / "models" / "demo-tiny-seed0", dtype=torch.float64, with_dspark=False,
+                       progress=False).double()
+    tok = Tokenizer()
+    model.set_token_map(engram_token_map(tok, model.cfg.vocab_size, model.cfg.engram_compressed_vocab)[0])
+    seq = torch.tensor(prompt + toks[:-1])
+    ref = reference_forward(model, seq, Plan.resume(r, len(prompt), seq.numel(), W))
+    assert torch.argmax(ref.logits, -1).tolist() == toks
