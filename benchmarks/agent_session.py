@@ -122,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             ft = usage.get("flashtier", {})
             tiers = ft.get("cached_tokens_by_tier", {})
             baseline = ssd_bytes + window_bytes_all_layers
+            # the same turn in the real geometry: 890 B of global KV per new token vs + 40 x 128 x 528 B
+            new_tokens = (usage.get("prompt_tokens") or 0) - (usage.get("prompt_tokens_details", {})
+                                                               .get("cached_tokens") or 0)
+            real_ratio = new_tokens * 890 / (new_tokens * 890 + 40 * 128 * 528) if new_tokens else 0.0
             rows.append({
                 "turn": turn, "prompt_tokens": usage.get("prompt_tokens"),
                 "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens"),
@@ -130,19 +134,20 @@ def main(argv: list[str] | None = None) -> int:
                 "ttft_ratio": ttft / ttft_cold if ttft_cold else None,
                 "ssd_bytes": ssd_bytes, "v4_baseline_bytes": baseline,
                 "bytes_ratio": ssd_bytes / baseline if baseline else None,
+                "real_geometry_bytes_ratio": real_ratio,
             })
             messages.append({"role": "assistant", "content": reply})
             messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": _words(rng, args.tool_output_words)})
             messages.append({"role": "user", "content": "Continue."})
             time.sleep(args.idle_s)
         hdr = f"{'turn':>4} {'prompt':>7} {'cached':>7} {'hbm':>6} {'ssd':>6} {'snap':>5} {'TTFT ms':>8} " \
-              f"{'cold ms':>8} {'ratio':>6} {'SSD B':>8} {'V4 B':>9} {'ratio':>6}"
+              f"{'cold ms':>8} {'ratio':>6} {'SSD B':>8} {'V4 B':>9} {'ratio':>6} {'real':>6}"
         print(hdr)
         for r in rows:
             print(f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} {r['hbm']:>6} {r['ssd']:>6} "
                   f"{r['snapshot']:>5} {1000 * r['ttft_s']:>8.0f} {1000 * r['ttft_cold_s']:>8.0f} "
                   f"{r['ttft_ratio']:>6.2f} {r['ssd_bytes']:>8.0f} {r['v4_baseline_bytes']:>9.0f} "
-                  f"{r['bytes_ratio']:>6.2f}")
+                  f"{r['bytes_ratio']:>6.2f} {r['real_geometry_bytes_ratio']:>6.2f}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"command": "python benchmarks/agent_session.py "
