@@ -31,6 +31,17 @@ def ceil_pow2_exponent(s: torch.Tensor) -> torch.Tensor:
     return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
 
 
+def e8m0_scale_bytes(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """e8m0 bytes (uint8) of ``s = 2^ceil(log2(amax / qmax))`` for positive normal fp32 ``amax``: the smallest
+    power of two with ``amax / s <= qmax``, up to the rounding of the quotient.
+
+    ``amax / qmax`` is one correctly rounded fp32 division. Divide by a tensor, not a Python scalar: CUDA
+    torch turns ``t / 448.0`` into ``t * (1 / 448)``, which is not always the correctly rounded quotient,
+    and the scale exponent depends on it.
+    """
+    return ceil_pow2_exponent(amax / torch.full_like(amax, qmax)).to(torch.uint8)
+
+
 def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
     """fp32 value ``2^(b - 127)`` of each e8m0 byte (0 gives 2^-127, 0xFF gives NaN)."""
     return scale_bytes.view(torch.float8_e8m0fnu).to(torch.float32)
@@ -56,6 +67,15 @@ def _ceil_pow2_exponent(s):
     bits = s.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
     return exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _e8m0_scale_exponent(amax, QMAX: tl.constexpr):
+    """int32 e8m0 byte of 2^ceil(log2(amax / QMAX)) for positive normal fp32 ``amax`` (as :func:`e8m0_scale_bytes`).
+
+    div_rn: the scale exponent depends on the correctly rounded quotient; GPU fp32 `/` may be approximate.
+    """
+    return _ceil_pow2_exponent(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)))
 
 
 @triton.jit

@@ -1,7 +1,9 @@
-"""Shared plumbing for the quantisation ops: impl dispatch, argument checks, row flattening.
+"""Shared plumbing for the quantisation ops: impl dispatch, argument checks, row flattening, kernel launch.
 
 Every quantisation op validates its arguments here (``ValueError`` naming the argument and its shape),
-then picks an implementation with :func:`resolve_impl`. Nothing here holds state.
+then picks an implementation with :func:`resolve_impl`. The row-block ops (FP8, FP4, MXFP4) launch their
+Triton kernels through :func:`triton_quantize_rows`, :func:`triton_qdq_rows` and
+:func:`triton_dequantize_rows`. Nothing here holds state.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 IMPLS = ("auto", "reference", "triton")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,3 +95,60 @@ def check_record(rec: torch.Tensor, d: int, block: int, data_bytes: int, scale_b
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` viewed as a contiguous 2-D ``[rows, last]`` tensor (copies only if ``t`` is not contiguous)."""
     return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+# Row-block kernels: the input [R, D] is cut into R * D // BLOCK blocks of BLOCK consecutive elements
+# (D % BLOCK == 0, so no block straddles two rows), each with one scale byte; one program handles BLOCK_G
+# consecutive blocks. A quantise kernel takes (p_x, p_data, p_scales, p_out, n_groups, ..., BLOCK_G, QDQ)
+# and a dequantise kernel (p_data, p_scales, p_out, n_groups, ..., BLOCK_G, OUT_BF16).
+_ELEMS_PER_PROGRAM = 2048
+
+
+@triton.jit
+def _row_block_offsets(n_groups, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr):
+    """This program's block indices ``o_g [BLOCK_G]`` (int64), the offsets ``o_g * BLOCK + [0, BLOCK)`` of
+    their elements ``[BLOCK_G, BLOCK]``, and the mask ``o_g < n_groups``."""
+    o_g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+    o_x = o_g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return o_g, o_x, o_g < n_groups
+
+
+def _launch_row_blocks(kernel, n_groups: int, block: int, *args, **constexprs) -> None:
+    """Run ``kernel(*args, n_groups, BLOCK_G=..., **constexprs)`` over ``n_groups`` blocks of ``block``
+    elements, ``_ELEMS_PER_PROGRAM // block`` blocks per program (nothing to launch for zero blocks)."""
+    if n_groups:
+        block_g = _ELEMS_PER_PROGRAM // block
+        kernel[(triton.cdiv(n_groups, block_g),)](*args, n_groups, BLOCK_G=block_g, **constexprs)
+
+
+def triton_quantize_rows(
+    kernel, x: torch.Tensor, block: int, data_cols: int, **constexprs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise rows ``x [R, D]`` with a row-block ``kernel``: ``(data uint8[R, data_cols], scales uint8[R, D // block])``.
+
+    ``data_cols`` is D for one byte per element, D // 2 for packed nibbles.
+    """
+    r, d = x.shape
+    data = torch.empty((r, data_cols), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((r, d // block), dtype=torch.uint8, device=x.device)
+    _launch_row_blocks(kernel, r * (d // block), block, x, data, scales, data, QDQ=False, **constexprs)
+    return data, scales
+
+
+def triton_qdq_rows(kernel, x: torch.Tensor, block: int, **constexprs) -> torch.Tensor:
+    """Quantise and decode rows ``x [R, D]`` in one pass of a row-block ``kernel``: fp32 ``[R, D]``."""
+    r, d = x.shape
+    out = torch.empty((r, d), dtype=torch.float32, device=x.device)
+    _launch_row_blocks(kernel, r * (d // block), block, x, out, out, out, QDQ=True, **constexprs)
+    return out
+
+
+def triton_dequantize_rows(
+    kernel, data: torch.Tensor, scales: torch.Tensor, d: int, dtype: torch.dtype, block: int, **constexprs
+) -> torch.Tensor:
+    """Decode rows ``data [R, ...]`` with ``scales [R, d // block]`` by a row-block ``kernel``: ``dtype [R, d]``."""
+    r = data.shape[0]
+    out = torch.empty((r, d), dtype=dtype, device=data.device)
+    bf16 = dtype == torch.bfloat16
+    _launch_row_blocks(kernel, r * (d // block), block, data, scales, out, OUT_BF16=bf16, **constexprs)
+    return out

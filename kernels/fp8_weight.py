@@ -19,15 +19,15 @@ import triton.language as tl
 
 from flashtier.kernels._fp8_bits import (
     E4M3_MAX,
-    _ceil_pow2_exponent,
     _e4m3_code,
     _e4m3_to_f32,
     _e8m0_reciprocal,
+    _e8m0_scale_exponent,
     _e8m0_to_f32,
     _f32_to_bf16_rne,
-    ceil_pow2_exponent,
     e4m3_bytes,
     e4m3_to_float,
+    e8m0_scale_bytes,
     e8m0_to_float,
 )
 from flashtier.kernels._quant_common import FLOAT_DTYPES, check_out_dtype, check_same_device, resolve_impl
@@ -132,8 +132,7 @@ def _reference_quantize_fp8_weight(w: torch.Tensor, bn: int, bk: int) -> tuple[t
     padded[:n, :k] = w
     blocks = padded.reshape(nb, bn, kb, bk)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(FP8_AMAX_FLOOR)
-    # A tensor divisor: CUDA torch turns division by a Python scalar into a reciprocal multiply.
-    scales = ceil_pow2_exponent(amax / torch.full_like(amax, E4M3_MAX)).to(torch.uint8)
+    scales = e8m0_scale_bytes(amax, E4M3_MAX)
     q = (blocks / e8m0_to_float(scales)[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
     codes = e4m3_bytes(q).reshape(nb * bn, kb * bk)[:n, :k].contiguous()
     return codes, scales
@@ -168,8 +167,7 @@ def _quantize_fp8_weight_kernel(
     i_kb, o_b, o_r, o_c, m, m_b = _fp8_weight_tile(tl.program_id(0).to(tl.int64), n, k, n_nb, n_kb, BN, BK, G)
     b_w = tl.load(p_w + o_r * stride_wn + o_c * stride_wk, mask=m, other=0.0).to(tl.float32)
     b_amax = tl.maximum(tl.max(tl.max(tl.abs(b_w), axis=2), axis=1), 1e-4)
-    # div_rn: the scale exponent depends on the correctly rounded quotient; GPU fp32 `/` may be approximate.
-    b_exp = _ceil_pow2_exponent(tl.math.div_rn(b_amax, tl.full([G], 448.0, tl.float32)))
+    b_exp = _e8m0_scale_exponent(b_amax, 448.0)  # a correctly rounded amax / 448 (div_rn)
     # x * 2^-k equals x / 2^k bit for bit (one rounding of the same value): no division needed here.
     b_q = b_w * _e8m0_reciprocal(b_exp)[:, None, None]
     b_code = _e4m3_code(tl.minimum(tl.maximum(b_q, -448.0), 448.0))

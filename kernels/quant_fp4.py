@@ -18,11 +18,10 @@ nibble of byte i, 2i + 1 in the high nibble) then ``scales uint8[D // 16]`` (raw
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from flashtier.kernels._e2m1 import _e2m1_code, _e2m1_to_f32, e2m1_codes, e2m1_to_float, pack_nibbles, unpack_nibbles
-from flashtier.kernels._fp8_bits import E4M3_MAX, _e4m3_code, _e4m3_to_f32, _f32_to_bf16_rne, e4m3_bytes, e4m3_to_float
+from flashtier.kernels._e2m1 import e2m1_codes, e2m1_to_float, pack_nibbles, unpack_nibbles
+from flashtier.kernels._e2m1_kernels import triton_dequantize_e2m1, triton_e2m1_qdq, triton_quantize_e2m1
+from flashtier.kernels._fp8_bits import E4M3_MAX, e4m3_bytes, e4m3_to_float
 from flashtier.kernels._quant_common import (
     as_rows,
     check_byte_tensor,
@@ -36,7 +35,6 @@ from flashtier.kernels._quant_common import (
 
 FP4_BLOCK = 16
 FP4_AMAX_FLOOR = 6 * 2**-9  # amax floor: s = e4m3(amax / 6) >= 2^-9
-_BLOCK_G = 128  # blocks of 16 per Triton program (2048 elements)
 
 
 def FP4_RECORD_BYTES(D: int) -> int:  # noqa: N802 (named like the constant it stands for)
@@ -131,79 +129,13 @@ def _reference_dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, dtype:
     return values.reshape(r, half * 2).to(dtype)
 
 
-@triton.jit
-def _quantize_fp4_kernel(p_x, p_packed, p_scales, p_out, n_groups, BLOCK_G: tl.constexpr, QDQ: tl.constexpr):
-    # One program quantises BLOCK_G consecutive 16-element blocks of the flattened rows. Each block is read
-    # contiguously and split into 8 even and 8 odd elements (the low and high nibbles of 8 bytes).
-    # Traffic per block: read 16 inputs; write 8 + 1 bytes, or 16 fp32 (QDQ).
-    i_g = tl.program_id(0).to(tl.int64) * BLOCK_G
-    o_g = i_g + tl.arange(0, BLOCK_G)
-    o_x = o_g[:, None] * 16 + tl.arange(0, 16)[None, :]
-    o_p = o_g[:, None] * 8 + tl.arange(0, 8)[None, :]
-    m_g = o_g < n_groups
-    m_p = m_g[:, None]
-    b_x = tl.load(p_x + o_x, mask=m_p, other=0.0).to(tl.float32)
-    b_lo, b_hi = tl.split(tl.reshape(b_x, (BLOCK_G, 8, 2)))  # even / odd elements
-    b_amax = tl.max(tl.abs(b_x), axis=1)
-    b_amax = tl.maximum(b_amax, 0.01171875)  # 6 * 2^-9
-    # div_rn everywhere a quotient is rounded: GPU fp32 `/` may be approximate.
-    b_sc = _e4m3_code(tl.minimum(tl.math.div_rn(b_amax, tl.full([BLOCK_G], 6.0, tl.float32)), 448.0))
-    b_s = tl.broadcast_to(_e4m3_to_f32(b_sc)[:, None], (BLOCK_G, 8))
-    c_lo = _e2m1_code(tl.math.div_rn(b_lo, b_s), b_lo < 0)
-    c_hi = _e2m1_code(tl.math.div_rn(b_hi, b_s), b_hi < 0)
-    if QDQ:
-        b_v = tl.join(_e2m1_to_f32(c_lo) * b_s, _e2m1_to_f32(c_hi) * b_s)  # re-interleave even / odd
-        tl.store(p_out + o_x, tl.reshape(b_v, (BLOCK_G, 16)), mask=m_p)
-    else:
-        tl.store(p_packed + o_p, (c_lo | (c_hi << 4)).to(tl.uint8), mask=m_p)
-        tl.store(p_scales + o_g, b_sc.to(tl.uint8), mask=m_g)
-
-
-@triton.jit
-def _dequantize_fp4_kernel(p_packed, p_scales, p_out, n_groups, BLOCK_G: tl.constexpr, OUT_BF16: tl.constexpr):
-    i_g = tl.program_id(0).to(tl.int64) * BLOCK_G
-    o_g = i_g + tl.arange(0, BLOCK_G)
-    o_p = o_g[:, None] * 8 + tl.arange(0, 8)[None, :]
-    m_g = o_g < n_groups
-    m_p = m_g[:, None]
-    b_byte = tl.load(p_packed + o_p, mask=m_p, other=0).to(tl.int32)
-    b_s = _e4m3_to_f32(tl.load(p_scales + o_g, mask=m_g, other=0x38).to(tl.int32))[:, None]
-    b_v = tl.join(_e2m1_to_f32(b_byte & 0x0F) * b_s, _e2m1_to_f32(b_byte >> 4) * b_s)  # low nibble first
-    b_v = tl.reshape(b_v, (BLOCK_G, 16))
-    if OUT_BF16:
-        b_v = _f32_to_bf16_rne(b_v)
-    o_x = o_g[:, None] * 16 + tl.arange(0, 16)[None, :]
-    tl.store(p_out + o_x, b_v, mask=m_p)
-
-
 def _triton_quantize_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r, d = x.shape
-    packed = torch.empty((r, d // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((r, d // FP4_BLOCK), dtype=torch.uint8, device=x.device)
-    n_groups = r * (d // FP4_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _quantize_fp4_kernel[grid](x, packed, scales, packed, n_groups, BLOCK_G=_BLOCK_G, QDQ=False)
-    return packed, scales
+    return triton_quantize_e2m1(x, FP4_BLOCK, e8m0=False)
 
 
 def _triton_fp4_qdq(x: torch.Tensor) -> torch.Tensor:
-    r, d = x.shape
-    out = torch.empty((r, d), dtype=torch.float32, device=x.device)
-    n_groups = r * (d // FP4_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _quantize_fp4_kernel[grid](x, out, out, out, n_groups, BLOCK_G=_BLOCK_G, QDQ=True)
-    return out
+    return triton_e2m1_qdq(x, FP4_BLOCK, e8m0=False)
 
 
 def _triton_dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    r, half = packed.shape
-    out = torch.empty((r, half * 2), dtype=dtype, device=packed.device)
-    n_groups = r * (half * 2 // FP4_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _dequantize_fp4_kernel[grid](
-            packed, scales, out, n_groups, BLOCK_G=_BLOCK_G, OUT_BF16=dtype == torch.bfloat16
-        )
-    return out
+    return triton_dequantize_e2m1(packed, scales, dtype, FP4_BLOCK, e8m0=False)

@@ -19,18 +19,19 @@ import triton.language as tl
 
 from flashtier.kernels._fp8_bits import (
     E4M3_MAX,
-    _ceil_pow2_exponent,
     _e4m3_code,
     _e4m3_to_f32,
     _e8m0_reciprocal,
+    _e8m0_scale_exponent,
     _e8m0_to_f32,
     _f32_to_bf16_rne,
-    ceil_pow2_exponent,
     e4m3_bytes,
     e4m3_to_float,
+    e8m0_scale_bytes,
     e8m0_to_float,
 )
 from flashtier.kernels._quant_common import (
+    _row_block_offsets,
     as_rows,
     check_byte_tensor,
     check_float_input,
@@ -39,11 +40,13 @@ from flashtier.kernels._quant_common import (
     check_record,
     check_same_device,
     resolve_impl,
+    triton_dequantize_rows,
+    triton_qdq_rows,
+    triton_quantize_rows,
 )
 
 FP8_BLOCK = 32
 FP8_AMAX_FLOOR = 1e-4
-_BLOCK_G = 64  # blocks of 32 per Triton program (2048 elements)
 
 
 def FP8_RECORD_BYTES(D: int) -> int:  # noqa: N802 (named like the constant it stands for)
@@ -125,9 +128,7 @@ def _reference_quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     r, d = x.shape
     blocks = x.to(torch.float32).reshape(r, d // FP8_BLOCK, FP8_BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR)
-    # Divide by a tensor, not a Python scalar: CUDA torch turns `t / 448.0` into `t * (1 / 448)`,
-    # which is not always the correctly rounded quotient, and the scale exponent depends on it.
-    scales = ceil_pow2_exponent(amax / torch.full_like(amax, E4M3_MAX)).to(torch.uint8)
+    scales = e8m0_scale_bytes(amax, E4M3_MAX)
     q = (blocks / e8m0_to_float(scales).unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
     return e4m3_bytes(q).reshape(r, d), scales
 
@@ -143,14 +144,10 @@ def _reference_dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: 
 def _quantize_fp8_kernel(p_x, p_codes, p_scales, p_out, n_groups, BLOCK_G: tl.constexpr, QDQ: tl.constexpr):
     # One program quantises BLOCK_G consecutive 32-element blocks of the flattened rows (D % 32 == 0, so a
     # block never straddles two rows). Traffic per block: read 32 inputs; write 32 + 1 bytes, or 32 fp32 (QDQ).
-    i_g = tl.program_id(0).to(tl.int64) * BLOCK_G
-    o_g = i_g + tl.arange(0, BLOCK_G)
-    o_x = o_g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    m_g = o_g < n_groups
+    o_g, o_x, m_g = _row_block_offsets(n_groups, 32, BLOCK_G)
     b_x = tl.load(p_x + o_x, mask=m_g[:, None], other=0.0).to(tl.float32)
     b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), 1e-4)
-    # div_rn: the scale exponent depends on the correctly rounded quotient; GPU fp32 `/` may be approximate.
-    b_exp = _ceil_pow2_exponent(tl.math.div_rn(b_amax, tl.full([BLOCK_G], 448.0, tl.float32)))
+    b_exp = _e8m0_scale_exponent(b_amax, 448.0)  # a correctly rounded amax / 448 (div_rn)
     # x * 2^-k equals x / 2^k bit for bit (one rounding of the same value): no division needed here.
     b_q = b_x * _e8m0_reciprocal(b_exp)[:, None]
     b_code = _e4m3_code(tl.minimum(tl.maximum(b_q, -448.0), 448.0))
@@ -163,10 +160,7 @@ def _quantize_fp8_kernel(p_x, p_codes, p_scales, p_out, n_groups, BLOCK_G: tl.co
 
 @triton.jit
 def _dequantize_fp8_kernel(p_codes, p_scales, p_out, n_groups, BLOCK_G: tl.constexpr, OUT_BF16: tl.constexpr):
-    i_g = tl.program_id(0).to(tl.int64) * BLOCK_G
-    o_g = i_g + tl.arange(0, BLOCK_G)
-    o_x = o_g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    m_g = o_g < n_groups
+    o_g, o_x, m_g = _row_block_offsets(n_groups, 32, BLOCK_G)
     b_code = tl.load(p_codes + o_x, mask=m_g[:, None], other=0).to(tl.int32)
     b_exp = tl.load(p_scales + o_g, mask=m_g, other=127).to(tl.int32)
     b_v = _e4m3_to_f32(b_code) * _e8m0_to_f32(b_exp)[:, None]
@@ -176,33 +170,12 @@ def _dequantize_fp8_kernel(p_codes, p_scales, p_out, n_groups, BLOCK_G: tl.const
 
 
 def _triton_quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r, d = x.shape
-    codes = torch.empty((r, d), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((r, d // FP8_BLOCK), dtype=torch.uint8, device=x.device)
-    n_groups = r * (d // FP8_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _quantize_fp8_kernel[grid](x, codes, scales, codes, n_groups, BLOCK_G=_BLOCK_G, QDQ=False)
-    return codes, scales
+    return triton_quantize_rows(_quantize_fp8_kernel, x, FP8_BLOCK, x.shape[1])
 
 
 def _triton_fp8_qdq(x: torch.Tensor) -> torch.Tensor:
-    r, d = x.shape
-    out = torch.empty((r, d), dtype=torch.float32, device=x.device)
-    n_groups = r * (d // FP8_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _quantize_fp8_kernel[grid](x, out, out, out, n_groups, BLOCK_G=_BLOCK_G, QDQ=True)
-    return out
+    return triton_qdq_rows(_quantize_fp8_kernel, x, FP8_BLOCK)
 
 
 def _triton_dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    r, d = codes.shape
-    out = torch.empty((r, d), dtype=dtype, device=codes.device)
-    n_groups = r * (d // FP8_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _dequantize_fp8_kernel[grid](
-            codes, scales, out, n_groups, BLOCK_G=_BLOCK_G, OUT_BF16=dtype == torch.bfloat16
-        )
-    return out
+    return triton_dequantize_rows(_dequantize_fp8_kernel, codes, scales, codes.shape[1], dtype, FP8_BLOCK)

@@ -18,18 +18,10 @@ nibble of byte i) then ``scales uint8[D // 32]``; :func:`pack_mxfp4_record` conc
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from flashtier.kernels._e2m1 import _e2m1_code, _e2m1_to_f32, e2m1_codes, e2m1_to_float, pack_nibbles, unpack_nibbles
-from flashtier.kernels._fp8_bits import (
-    _ceil_pow2_exponent,
-    _e8m0_reciprocal,
-    _e8m0_to_f32,
-    _f32_to_bf16_rne,
-    ceil_pow2_exponent,
-    e8m0_to_float,
-)
+from flashtier.kernels._e2m1 import e2m1_codes, e2m1_to_float, pack_nibbles, unpack_nibbles
+from flashtier.kernels._e2m1_kernels import triton_dequantize_e2m1, triton_e2m1_qdq, triton_quantize_e2m1
+from flashtier.kernels._fp8_bits import e8m0_scale_bytes, e8m0_to_float
 from flashtier.kernels._quant_common import (
     as_rows,
     check_byte_tensor,
@@ -43,7 +35,6 @@ from flashtier.kernels._quant_common import (
 
 MXFP4_BLOCK = 32
 MXFP4_AMAX_FLOOR = 6 * 2**-126  # s >= 2^-126
-_BLOCK_G = 64  # blocks of 32 per Triton program (2048 elements)
 
 
 def MXFP4_RECORD_BYTES(D: int) -> int:  # noqa: N802 (named like the constant it stands for)
@@ -124,8 +115,7 @@ def _reference_quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     r, d = x.shape
     blocks = x.to(torch.float32).reshape(r, d // MXFP4_BLOCK, MXFP4_BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp_min(MXFP4_AMAX_FLOOR)
-    # Divide by a tensor, not a Python scalar: CUDA torch turns `t / 6.0` into `t * (1 / 6)`.
-    scales = ceil_pow2_exponent(amax / torch.full_like(amax, 6.0)).to(torch.uint8)
+    scales = e8m0_scale_bytes(amax, 6.0)
     q = blocks / e8m0_to_float(scales).unsqueeze(-1)
     codes = e2m1_codes(q, blocks < 0).reshape(r, d)
     return pack_nibbles(codes), scales
@@ -138,81 +128,13 @@ def _reference_dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtyp
     return values.reshape(r, half * 2).to(dtype)
 
 
-@triton.jit
-def _quantize_mxfp4_kernel(p_x, p_packed, p_scales, p_out, n_groups, BLOCK_G: tl.constexpr, QDQ: tl.constexpr):
-    # One program quantises BLOCK_G consecutive 32-element blocks of the flattened rows. Each block is read
-    # contiguously and split into 16 even and 16 odd elements (the low and high nibbles of 16 bytes).
-    # Traffic per block: read 32 inputs; write 16 + 1 bytes, or 32 fp32 (QDQ).
-    i_g = tl.program_id(0).to(tl.int64) * BLOCK_G
-    o_g = i_g + tl.arange(0, BLOCK_G)
-    o_x = o_g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    o_p = o_g[:, None] * 16 + tl.arange(0, 16)[None, :]
-    m_g = o_g < n_groups
-    m_p = m_g[:, None]
-    b_x = tl.load(p_x + o_x, mask=m_p, other=0.0).to(tl.float32)
-    b_lo, b_hi = tl.split(tl.reshape(b_x, (BLOCK_G, 16, 2)))  # even / odd elements
-    b_amax = tl.max(tl.abs(b_x), axis=1)
-    b_amax = tl.maximum(b_amax, 7.052966104933725e-38)  # 6 * 2^-126, exact in fp32
-    # div_rn: the scale exponent depends on the correctly rounded quotient; GPU fp32 `/` may be approximate.
-    b_exp = _ceil_pow2_exponent(tl.math.div_rn(b_amax, tl.full([BLOCK_G], 6.0, tl.float32)))
-    # x * 2^-k equals x / 2^k bit for bit (one rounding of the same value): no division needed here.
-    b_inv = _e8m0_reciprocal(b_exp)[:, None]
-    c_lo = _e2m1_code(b_lo * b_inv, b_lo < 0)
-    c_hi = _e2m1_code(b_hi * b_inv, b_hi < 0)
-    if QDQ:
-        b_s = _e8m0_to_f32(b_exp)[:, None]
-        b_v = tl.join(_e2m1_to_f32(c_lo) * b_s, _e2m1_to_f32(c_hi) * b_s)  # re-interleave even / odd
-        tl.store(p_out + o_x, tl.reshape(b_v, (BLOCK_G, 32)), mask=m_p)
-    else:
-        tl.store(p_packed + o_p, (c_lo | (c_hi << 4)).to(tl.uint8), mask=m_p)
-        tl.store(p_scales + o_g, b_exp.to(tl.uint8), mask=m_g)
-
-
-@triton.jit
-def _dequantize_mxfp4_kernel(p_packed, p_scales, p_out, n_groups, BLOCK_G: tl.constexpr, OUT_BF16: tl.constexpr):
-    i_g = tl.program_id(0).to(tl.int64) * BLOCK_G
-    o_g = i_g + tl.arange(0, BLOCK_G)
-    o_p = o_g[:, None] * 16 + tl.arange(0, 16)[None, :]
-    m_g = o_g < n_groups
-    m_p = m_g[:, None]
-    b_byte = tl.load(p_packed + o_p, mask=m_p, other=0).to(tl.int32)
-    b_s = _e8m0_to_f32(tl.load(p_scales + o_g, mask=m_g, other=127).to(tl.int32))[:, None]
-    b_v = tl.join(_e2m1_to_f32(b_byte & 0x0F) * b_s, _e2m1_to_f32(b_byte >> 4) * b_s)  # low nibble first
-    b_v = tl.reshape(b_v, (BLOCK_G, 32))
-    if OUT_BF16:
-        b_v = _f32_to_bf16_rne(b_v)
-    o_x = o_g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    tl.store(p_out + o_x, b_v, mask=m_p)
-
-
 def _triton_quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r, d = x.shape
-    packed = torch.empty((r, d // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((r, d // MXFP4_BLOCK), dtype=torch.uint8, device=x.device)
-    n_groups = r * (d // MXFP4_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _quantize_mxfp4_kernel[grid](x, packed, scales, packed, n_groups, BLOCK_G=_BLOCK_G, QDQ=False)
-    return packed, scales
+    return triton_quantize_e2m1(x, MXFP4_BLOCK, e8m0=True)
 
 
 def _triton_mxfp4_qdq(x: torch.Tensor) -> torch.Tensor:
-    r, d = x.shape
-    out = torch.empty((r, d), dtype=torch.float32, device=x.device)
-    n_groups = r * (d // MXFP4_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _quantize_mxfp4_kernel[grid](x, out, out, out, n_groups, BLOCK_G=_BLOCK_G, QDQ=True)
-    return out
+    return triton_e2m1_qdq(x, MXFP4_BLOCK, e8m0=True)
 
 
 def _triton_dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    r, half = packed.shape
-    out = torch.empty((r, half * 2), dtype=dtype, device=packed.device)
-    n_groups = r * (half * 2 // MXFP4_BLOCK)
-    if n_groups:
-        grid = (triton.cdiv(n_groups, _BLOCK_G),)
-        _dequantize_mxfp4_kernel[grid](
-            packed, scales, out, n_groups, BLOCK_G=_BLOCK_G, OUT_BF16=dtype == torch.bfloat16
-        )
-    return out
+    return triton_dequantize_e2m1(packed, scales, dtype, MXFP4_BLOCK, e8m0=True)
