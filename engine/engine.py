@@ -232,7 +232,7 @@ class Engine:
         """
         res = req.lookup.result()
         seq = req.seqs[0]
-        bs, w = self.block_size, self.model.cfg.sliding_window
+        bs = self.block_size
         k_hbm = req.hbm_blocks
         images = res.ssd_images
         point = res.snapshot_point

@@ -11,6 +11,8 @@ from .model.incremental import IncrementalModel
 from .model.init import random_model
 from .model.loader import load_model
 from .model.transformer import Transformer
+from .sampler import Sampler, SamplerRow, generator_for
+from .sampling_params import SamplingParams
 
 
 def load_for_cli(model_dir: str | Path | None, preset_name: str | None, seed: int = 0) -> Transformer:
@@ -18,15 +20,6 @@ def load_for_cli(model_dir: str | Path | None, preset_name: str | None, seed: in
     if model_dir is not None:
         return load_model(model_dir, progress=False)
     return random_model(preset(preset_name or "tiny"), seed=seed, with_dspark=False)
-
-
-def sample_token(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else Gumbel-max: argmax(softmax(l / T) / Exp(1))."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
-    return int(torch.argmax(probs / noise))
 
 
 @torch.no_grad()
@@ -44,11 +37,13 @@ def generate_text_ids(
         raise ValueError("max_tokens must be at least 1")
     runner = IncrementalModel(model)
     state = runner.new_state()
-    gen = torch.Generator(device=model.device).manual_seed(seed)
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+    gen = generator_for(params, model.device)
+    sampler = Sampler()
     logits = runner.prefill(state, prompt)
     out: list[int] = []
     for _ in range(max_tokens):
-        tok = sample_token(logits, temperature, gen)
+        tok = int(sampler(logits[None], [SamplerRow(params, out, prompt, gen)]).token_ids[0])
         if stop_ids and tok in stop_ids:
             break
         out.append(tok)

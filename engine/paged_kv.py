@@ -144,13 +144,6 @@ class PagedSequence:
     def ring_write(self, layer: int, kv_raw: torch.Tensor, pos: torch.Tensor) -> None:
         self.rings.write(layer, kv_raw, pos)
 
-    def push_tail(self, x: torch.Tensor, pre: torch.Tensor, window: int) -> None:
-        if self.tail_x is None:
-            self.tail_x, self.tail_pre = x[-window:].clone(), pre[-window:].clone()
-        else:
-            self.tail_x = torch.cat((self.tail_x, x))[-window:]
-            self.tail_pre = torch.cat((self.tail_pre, pre))[-window:]
-
     def private_state(self) -> dict:
         """Everything but the global blocks, copied (for preemption swap-out and forks)."""
         return {

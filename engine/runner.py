@@ -22,10 +22,8 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Logits [len(batch.decoder), V] (None when there is no decoder work)."""
-        if batch.encoder:
-            outs = encode_batch(self.model, [w.seq.kv for w in batch.encoder], [w.tokens for w in batch.encoder])
-            for work, (x, pre) in zip(batch.encoder, outs):
-                work.seq.kv.push_tail(x, pre, self.window)
+        if batch.encoder:  # also keeps each sequence's replay tail
+            encode_batch(self.model, [w.seq.kv for w in batch.encoder], [w.tokens for w in batch.encoder])
         if not batch.decoder:
             return None
         states, xs, pres, poss = [], [], [], []

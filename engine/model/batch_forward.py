@@ -23,7 +23,7 @@ from flashtier.kernels.quant_fp8 import fp8_qdq
 
 from .compressor import PartialGroup
 from .engram import ngram_ids
-from .layer_forward import GlobalEntries, LocalKeys, StepSlots, attend, compute_entries
+from .layer_forward import GlobalEntries, LocalKeys, StepSlots, attend, project_decoder_entries
 from .mhc import identity_pre
 from .numerics import qdq
 from .transformer import Transformer
@@ -38,6 +38,8 @@ class SequenceKV(Protocol):
     write_from: int  # global entries of positions below this come from the cache
     partial: dict[int, PartialGroup | None]  # ratio-2 source layer -> partial group
     stores: Mapping[int, GlobalEntries]  # KV source layer -> its entries
+    tail_x: torch.Tensor | None  # encoder outputs of the newest `window` tokens [<=W, hc, D]
+    tail_pre: torch.Tensor | None
 
     def ring_keys(self, layer: int, start: int) -> LocalKeys: ...
 
@@ -97,7 +99,7 @@ def encode_batch(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run each sequence's new tokens through the encoder and project their decoder entries (S20).
 
-    Mutates every state (tokens, encoder rings, stores, partial groups). Returns per sequence the
+    Mutates every state (tokens, encoder rings, stores, partial groups, replay tail). Returns per sequence the
     encoder outputs (x [L, hc, D], pre [L, hc]) of its new tokens.
     """
     cfg, dev, cdt = model.cfg, model.device, model.compute_dtype
@@ -115,18 +117,22 @@ def encode_batch(
     x = model.embed_streams(ids_all)
     pre = identity_pre(ids_all.numel(), cfg.hc_mult, dev, cdt)
     x, pre = _run_layers(model, range(cfg.n_encoder_layers), states, x, pre, positions, torch.cat(grams), True)
-    # CED: layer 20's ratio-1 compressor on its attention input, for every new token
-    src = cfg.decoder_source
-    block = model.layers[src]
-    h, _ = block.attn_input(x, pre)
     out = []
     for state, seg, pos in zip(states, _segments([p.numel() for p in positions]), positions):
-        sel = pos >= state.write_from
-        if bool(sel.any()):
-            entries, main, index_k, _ = compute_entries(block, h[seg][sel], pos[sel], None)
-            state.stores[src].write(entries, main, index_k)
+        # CED: layer 20's ratio-1 compressor on its attention input, for every new token
+        project_decoder_entries(model, x[seg], pre[seg], pos, state.stores[cfg.decoder_source], state.write_from)
+        _push_tail(state, x[seg], pre[seg], cfg.sliding_window)
         out.append((x[seg], pre[seg]))
     return out
+
+
+def _push_tail(state: SequenceKV, x: torch.Tensor, pre: torch.Tensor, window: int) -> None:
+    """Keep the encoder outputs of the newest ``window`` tokens: the decoder replay's input."""
+    if state.tail_x is None:
+        state.tail_x, state.tail_pre = x[-window:].clone(), pre[-window:].clone()
+    else:
+        state.tail_x = torch.cat((state.tail_x, x))[-window:]
+        state.tail_pre = torch.cat((state.tail_pre, pre))[-window:]
 
 
 def _grams(model: Transformer, state: SequenceKV, pos: torch.Tensor) -> torch.Tensor:

@@ -112,17 +112,7 @@ class IncrementalModel:
         Mutates the encoder rings, the stores, the partial groups, ``tokens`` and the tail.
         Returns the encoder outputs (x [L, hc, D], pre [L, hc]).
         """
-        x, pre = encode_batch(self.model, [state], [tokens])[0]
-        self._push_tail(state, x, pre)
-        return x, pre
-
-    def _push_tail(self, state: SequenceState, x: torch.Tensor, pre: torch.Tensor) -> None:
-        w = self.cfg.sliding_window
-        if state.tail_x is None:
-            state.tail_x, state.tail_pre = x[-w:].clone(), pre[-w:].clone()
-        else:
-            state.tail_x = torch.cat((state.tail_x, x))[-w:]
-            state.tail_pre = torch.cat((state.tail_pre, pre))[-w:]
+        return encode_batch(self.model, [state], [tokens])[0]
 
     def decode_layers(self, state: SequenceState, x: torch.Tensor, pre: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Run encoder outputs at positions pos through the decoder; logits of the LAST position [V].

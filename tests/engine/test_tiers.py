@@ -7,7 +7,6 @@ encoder bounded replay must give the oracle's plan (c).
 
 import time
 
-import pytest
 import torch
 
 from flashtier.engine.config import EngineConfig
@@ -62,6 +61,7 @@ def _cold(model, prompt):
 def test_multi_turn_exact_resume_equals_cold_runs(tiny64, tmp_path):
     eng = _engine(tiny64, _kv(tmp_path))
     convo = random_prompt(70, seed=41)
+    prev_len = None
     for turn in range(3):
         tokens, cache = _turn(eng, f"t{turn}", convo)
         assert tokens == _cold(tiny64, convo), f"turn {turn}"
