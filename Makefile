@@ -8,6 +8,7 @@ SYS_STAMP := $(VENV)/.system-packages
 .PHONY: serve test test-fast venv system clean
 
 venv: $(STAMP)
+system: $(SYS_STAMP)
 
 # redis-server and prometheus are real processes the tests start on loopback ports.
 $(SYS_STAMP):

@@ -1,8 +1,8 @@
 """``AsyncEngine``: the engine loop on its own thread, per-request asyncio queues of ``RequestOutput``.
 
     asyncio side (server)                         engine thread
-    generate() --("add", future)--> commands --> add_request (errors go back through the future)
-    abort()    --("abort")--------> commands --> abort
+    generate() --AddCommand(future)--> commands --> add_request (errors go back through the future)
+    abort()    --AbortCommand--------> commands --> abort
     queue.get() <-- call_soon_threadsafe ------- step() outputs
 The engine object is touched only by the engine thread. ``stats()`` reads counters without a lock
 (a slightly stale snapshot is fine for metrics).
@@ -16,12 +16,37 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from .engine import Engine
-from .outputs import EngineStats, RequestOutput
-from .sampling_params import SamplingParams
+from flashtier.engine.engine import Engine
+from flashtier.engine.outputs import EngineStats, RequestOutput
+from flashtier.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("flashtier.engine")
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    loop: asyncio.AbstractEventLoop  # the caller's loop: ``added`` is settled there
+    added: asyncio.Future  # None when queued, or the add_request exception
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    request_id: str
+
+
+Command = AddCommand | AbortCommand
+
+
+@dataclass(frozen=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop  # the caller's loop (outputs are put from the engine thread)
+    queue: asyncio.Queue  # RequestOutput items, or the exception that killed the engine
 
 
 class EngineDeadError(RuntimeError):
@@ -33,9 +58,9 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._commands: deque[tuple] = deque()
+        self._commands: deque[Command] = deque()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._accepting = True
         self._stop = False
         self._error: BaseException | None = None
@@ -66,8 +91,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
-        self._streams[request_id] = (loop, queue)
-        self._send(("add", request_id, list(prompt_token_ids), params, cache_salt, loop, added))
+        self._streams[request_id] = _Stream(loop, queue)
+        self._send(AddCommand(request_id, list(prompt_token_ids), params, cache_salt, loop, added))
         try:
             await added
         except BaseException:
@@ -85,10 +110,10 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._send(("abort", request_id))
+                self._send(AbortCommand(request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortCommand(request_id))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -100,7 +125,7 @@ class AsyncEngine:
         while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             await asyncio.sleep(0.02)
         for rid in list(self._streams):
-            self._send(("abort", rid))
+            self._send(AbortCommand(rid))
         await asyncio.sleep(0.05)
         self._stop = True
         self._wake.set()
@@ -108,30 +133,29 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)  # flush the SSD writer
 
     # ---- engine thread ---------------------------------------------------------------------------
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
         self._commands.append(command)
         self._wake.set()
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, rid, prompt, params, salt, loop, fut = command
-            try:
-                self.engine.add_request(rid, prompt, params, cache_salt=salt)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a 4xx
-                loop.call_soon_threadsafe(_settle, fut, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, fut, None)
-        elif command[0] == "abort":
-            self.engine.abort(command[1])
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, AbortCommand):
+            self.engine.abort(command.request_id)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    cache_salt=command.cache_salt)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a 4xx
+            command.loop.call_soon_threadsafe(_settle, command.added, exc)
+        else:
+            command.loop.call_soon_threadsafe(_settle, command.added, None)
 
     def _dispatch(self, out: RequestOutput) -> None:
-        entry = self._streams.get(out.request_id)
-        if entry is None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
             return
-        loop, queue = entry
         if out.finished:
             self._streams.pop(out.request_id, None)
-        loop.call_soon_threadsafe(queue.put_nowait, out)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
     def _run(self) -> None:
         while not self._stop:
@@ -146,8 +170,8 @@ class AsyncEngine:
             except Exception as exc:  # a bug in a step: fail every request rather than hang them
                 log.exception("engine step failed; failing all in-flight requests")
                 self._error = exc
-                for loop, queue in list(self._streams.values()):
-                    loop.call_soon_threadsafe(queue.put_nowait, exc)
+                for stream in list(self._streams.values()):
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
                 self._streams.clear()
                 return
             for out in outputs:

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from flashtier.kvstore.layout import BlockLayout, KVGeometry, allocate_window_rings
+import torch
 
-from .model.config import ModelConfig
+from flashtier.engine.kv_manager import SequenceSpec
+from flashtier.engine.model.config import ModelConfig
+from flashtier.kvstore.layout import BlockLayout, KVGeometry, allocate_window_rings
 
 
 def kv_geometry(cfg: ModelConfig) -> KVGeometry:
-    return KVGeometry(
-        head_dim=cfg.head_dim,
-        index_head_dim=cfg.index_head_dim,
-        source_ratios=tuple(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids),
-        window=cfg.sliding_window,
-        n_window_layers=cfg.num_hidden_layers,
-        n_encoder_window_layers=cfg.n_encoder_layers,
-    )
+    return SequenceSpec.from_config(cfg, torch.float32, "meta").geometry
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,35 @@
-"""A request and its sequences (one per choice, n > 1), as the scheduler tracks them."""
+"""A request and its sequences (one per choice, n > 1), as the scheduler tracks them.
+
+``Request.status`` is read-only here: ``request_state.transition`` is the only writer.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from flashtier.engine.outputs import TokenLogprob
+from flashtier.engine.paged_kv import PagedSequence
+from flashtier.engine.request_state import RequestStatus
+from flashtier.engine.sampling_params import SamplingParams
 from flashtier.kvstore.block_hash import BlockHash
 
-from .outputs import TokenLogprob
-from .paged_kv import PagedSequence
-from .sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from flashtier.engine.preemption import SwappedState
+    from flashtier.engine.tiers import TierLookup
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # queued, holds nothing
-    LOADING = "loading"  # reserved: waiting on tier loads (SSD / snapshot), never blocks a step
-    PREFILL = "prefill"  # encoder over the prompt, chunked
-    REPLAY = "replay"  # decoder bounded replay over the last `window` prompt tokens -> first token
-    DECODE = "decode"
-    PREEMPTED = "preempted"  # private state swapped to host, blocks freed; resumes exactly
-    FINISHED = "finished"
+class FinishReason(str, enum.Enum):
+    """Why a choice ended (the value is what the API reports)."""
+
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # aborted by the caller, or no block for an n > 1 fork
 
 
 @dataclass
@@ -35,10 +42,10 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     emitted: int = 0  # tokens already handed out in a RequestOutput
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of its full blocks
-    swapped: dict | None = None  # preemption: private state + block images on the host
+    swapped: SwappedState | None = None  # preemption: private state + block images on the host
 
     @property
     def finished(self) -> bool:
@@ -53,23 +60,28 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     namespace: BlockHash | None = None  # prefix-cache namespace (model fingerprint + cache_salt)
-    status: RequestStatus = RequestStatus.WAITING
+    _status: RequestStatus = field(default=RequestStatus.WAITING, repr=False)
     resume_status: RequestStatus | None = None  # the state a preempted request returns to
+    status_history: list[RequestStatus] = field(default_factory=list)  # every transition, in order
     seqs: list[Sequence] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens run through the encoder (incl. the cached prefix)
+    prefilled: int = 0  # prompt tokens scheduled into the encoder (incl. the cached prefix)
     cached_tokens: int = 0  # prompt tokens whose global KV came from the cache
     hbm_tokens: int = 0
     ssd_tokens: int = 0
     snapshot_tokens: int = 0
     persisted_bytes: int = 0  # SSD block images + snapshots written for this request
-    hashes: list[BlockHash] | None = None  # the prompt's full-block hashes (tier lookups)
+    hashes: list[BlockHash] = field(default_factory=list)  # the prompt's full-block hashes (tier lookups)
     hbm_blocks: int = 0  # HBM hits pinned while LOADING
-    lookup: object | None = None  # the pending tier lookup (a concurrent future)
+    lookup: concurrent.futures.Future[TierLookup] | None = None  # the pending tier lookup
     replayed_tokens: int = 0
     computed_tokens: int = 0
     first_scheduled: float | None = None
     first_token: float | None = None
     finished_at: float | None = None
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
 
     @property
     def num_prompt_tokens(self) -> int:

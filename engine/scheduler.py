@@ -1,290 +1,302 @@
-"""Continuous batching with one token budget per step (DESIGN §6).
+"""Continuous batching with one token budget per step (DESIGN §6); the owner of requests' lifecycles.
 
-States: WAITING -> PREFILL (encoder, chunked) -> REPLAY (decoder bounded replay, yields the first
-token) -> DECODE -> FINISHED; PREEMPTED when a decode step cannot get a block (private state and block
-images go to the host, blocks are freed, the request resumes exactly); LOADING is reserved for tier
-loads. One step = an encoder batch then a decoder batch::
-
-    encoder batch  | prefill chunks (PREFILL) | one token per DECODE sequence |
-    decoder batch  | replay segments (REPLAY) | one token per DECODE sequence |
+The scheduler owns the queues, the ``KVManager`` (blocks and bytes) and, optionally, a ``TierClient``;
+it never calls the engine. Every status change goes through ``request_state.transition``.
 
 Budget: every encoder token and every replay token counts; decode sequences come first (they are
-latency-bound), then running prefills, then admissions from the queue.
+latency-bound), then running prefills and replays, then admissions from the queue (preempted
+requests first: they sit at its front). A decode that cannot get a block preempts the newest running
+request (swap to the host, ``preemption.py``); with no victim left it preempts itself.
 
 A prefix hit admits a request with encoder bounded replay (plan (c) of the oracle)::
 
     positions  0 ............................ R-W ...... R ............... n
-               [ cached full blocks (touched, never written) ]
+               [ cached full blocks (pinned, never written) ]
                                               [ replay   ][ new tokens     ]  encoder, window from R-W
-Hits shorter than the window are not used (R >= W is required to replay).
+Hits shorter than the window are not used (R >= W is required to replay). With tiers, admission pins
+every HBM hit and starts a lookup; the request waits in LOADING (never blocking a step) until the
+lookup is done and ``resume.py`` installs SSD blocks and a snapshot.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from flashtier.kvstore.block_hash import BlockHash, hash_block, hash_blocks
-from flashtier.kvstore.block_pool import BlockPool
+import torch
 
-from .request import Request, RequestStatus, Sequence
+from flashtier.engine.fork import fork
+from flashtier.engine.kv_manager import KVManager
+from flashtier.engine.preemption import blocks_to_swap_in, swap_in, swap_out
+from flashtier.engine.request import FinishReason, Request, Sequence
+from flashtier.engine.request_state import RUNNING, RequestStatus, transition
+from flashtier.engine.resume import ResumeKind, install_resume, plan_resume
+from flashtier.engine.scheduler_output import DecoderKind, DecoderWork, EncoderWork, SchedulerOutput
+from flashtier.engine.tier_client import TierClient
+from flashtier.kvstore.block_hash import hash_blocks
 
-
-@dataclass(frozen=True)
-class EncoderWork:
-    request: Request
-    seq: Sequence
-    tokens: list[int]  # a prompt chunk, or the one token a DECODE sequence feeds
-
-
-@dataclass(frozen=True)
-class DecoderWork:
-    request: Request
-    seq: Sequence
-    kind: str  # "replay" | "decode"
+S = RequestStatus
 
 
 @dataclass
-class SchedulerOutput:
-    """What one step runs (scheduler -> runner)."""
+class SchedulerStats:
+    """Monotonic counters (tokens and events)."""
 
-    encoder: list[EncoderWork] = field(default_factory=list)
-    decoder: list[DecoderWork] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-
-    @property
-    def empty(self) -> bool:
-        return not self.encoder and not self.decoder
+    preemptions: int = 0
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
 
 
 class Scheduler:
-    """Owns the queues and the block accounting; the engine owns the requests' lifetimes."""
-
-    def __init__(self, pool: BlockPool, *, block_size: int, window: int, max_num_seqs: int, token_budget: int,
-                 new_sequence, swap_out, swap_in, start_lookup=None, apply_lookup=None):
-        self.pool = pool
-        self.block_size, self.window = block_size, window
+    def __init__(self, kvm: KVManager, *, max_num_seqs: int, token_budget: int, tiers: TierClient | None = None):
+        self.kvm = kvm
+        self.tiers = tiers
+        self.window = kvm.spec.window
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
-        self._new_sequence = new_sequence  # (request, index) -> Sequence with an empty KV state
-        self._swap_out, self._swap_in = swap_out, swap_in  # engine callbacks (they touch the byte pool)
-        # tiers (optional): start a resume lookup at admission, apply its result when it is done
-        self._start_lookup, self._apply_lookup = start_lookup, apply_lookup
+        self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.loading: list[Request] = []
         self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.prefix_queries_tokens = 0
-        self.prefix_hits_tokens = 0
+        self.stats = SchedulerStats()
 
-    # ---- queue ----------------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
-
-    def remove(self, request: Request) -> None:
-        """Forget a finished or aborted request; the engine has freed its blocks."""
-        for queue in (self.running, self.loading, self.waiting):
-            if request in queue:
-                queue.remove(request)
-                return
+    # ---- queue ------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a WAITING request. Mutates the queue and the registry."""
+        assert req.status is S.WAITING and req.request_id not in self.requests
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs) for r in self.running) + len(self.loading)
+        """Live sequences of running requests (what the admission cap counts, with LOADING ones)."""
+        return sum(len(r.live_seqs) for r in self.running)
 
-    # ---- blocks ---------------------------------------------------------------------------------
-    def _ensure_blocks(self, seq: Sequence, upto_position: int) -> bool:
-        """Grow the sequence's table to hold positions < ``upto_position``; False if the pool is short."""
-        need = -(-upto_position // self.block_size) - len(seq.kv.table)
-        if need <= 0:
-            return True
-        blocks = self.pool.allocate(need)
-        if blocks is None:
-            return False
-        for b in blocks:
-            seq.kv.table.append(b.block_id)
-        return True
+    def abort(self, request_id: str) -> Request | None:
+        """Abort in any state: every block (pinned hits, table, swapped state) is released.
 
-    def blocks_of(self, seq: Sequence) -> list:
-        return [self.pool.blocks[i] for i in seq.kv.table.ids]
-
-    def free_seq(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (full ones stay cached, LRU). Mutates the pool and the table."""
-        self.pool.free(self.blocks_of(seq))
-        seq.kv.table.replace([])
-
-    def cache_new_full_blocks(self, seq: Sequence, namespace: BlockHash) -> list[tuple[int, BlockHash]]:
-        """Hash and register every block that became full (all streams written) since the last call.
-
-        Returns the (block id, hash) pairs registered (the caller writes them through to SSD).
+        Mutates the request (FINISHED, choices "abort"), the pool and the queues. None if unknown.
         """
-        bs = self.block_size
-        tokens = seq.kv.tokens
-        new = []
-        while (len(seq.hashes) + 1) * bs <= len(tokens) and len(seq.hashes) < len(seq.kv.table):
-            k = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else namespace
-            h = hash_block(parent, tokens[k * bs : (k + 1) * bs])
-            seq.hashes.append(h)
-            block_id = seq.kv.table.ids[k]
-            self.pool.cache_full_block(self.pool.blocks[block_id], h)
-            new.append((block_id, h))
-        return new
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = FinishReason.ABORT
+            seq.swapped = None
+            self.kvm.free(seq.kv)
+        req.lookup = None  # a lookup in flight completes on the I/O thread; its result is dropped
+        self._finish(req)
+        return req
 
-    # ---- admission --------------------------------------------------------------------------------
-    def _admit(self, req: Request) -> bool:
-        """WAITING -> PREFILL: match the prompt's prefix in the pool, set up encoder bounded replay."""
-        seq = self._new_sequence(req, 0)
-        n, bs, w = len(req.prompt), self.block_size, self.window
-        hashes = hash_blocks(req.namespace, req.prompt, bs)
-        matched = self.pool.match_prefix(hashes)
-        self.prefix_queries_tokens += n
-        k = len(matched)
-        if k * bs < w:
-            k = 0
-        r = k * bs
+    def _finish(self, req: Request) -> None:
+        transition(req, S.FINISHED)
+        req.finished_at = time.monotonic()
+        for queue in (self.running, self.loading, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        del self.requests[req.request_id]
+
+    # ---- sequences --------------------------------------------------------------------------------
+    def new_sequence(self, req: Request, index: int) -> Sequence:
+        gen = None
+        if req.params.seed is not None:
+            gen = torch.Generator(device=self.kvm.spec.device).manual_seed(req.params.seed + index)
+        return Sequence(index, self.kvm.new_kv(), gen)
+
+    def start_decode(self, req: Request) -> None:
+        """REPLAY -> DECODE once the replay produced the first logits; n > 1 forks the prompt's sequence.
+
+        Mutates the request (state, seqs) and the pool. A child that gets no block is aborted.
+        """
+        transition(req, S.DECODE)
+        parent = req.seqs[0]
+        for i in range(1, req.params.n):
+            child = self.new_sequence(req, i)
+            if not fork(self.kvm, parent, child):
+                child.finish_reason = FinishReason.ABORT
+            req.seqs.append(child)
+
+    def finish_seq(self, req: Request, seq: Sequence, reason: FinishReason, stop_token_id: int | None = None) -> None:
+        """End a choice: snapshot at generation end, free its blocks; the last choice finishes the request."""
+        seq.finish_reason, seq.stop_token_id = reason, stop_token_id
+        if self.tiers is not None:
+            self.tiers.snapshot(req, seq)
+        self.kvm.free(seq.kv)
+        if not req.live_seqs:
+            self._finish(req)
+
+    # ---- admission and resume ---------------------------------------------------------------------
+    def _admit(self, req: Request) -> None:
+        """WAITING -> PREFILL (prefix hit: bounded replay), or -> LOADING when tiers are attached."""
+        seq = self.new_sequence(req, 0)
         req.seqs = [seq]
-        if self._start_lookup is not None:
-            # pin every HBM hit while the tiers are asked for more (SSD blocks, a snapshot)
-            self.pool.touch(matched)
-            seq.kv.table.replace([b.block_id for b in matched])
-            req.hashes = hashes
-            req.hbm_blocks = len(matched)
-            req.lookup = self._start_lookup(req)
-            req.status = RequestStatus.LOADING
-            return True
-        self.pool.touch(matched[:k])
-        seq.kv.table.replace([b.block_id for b in matched[:k]])
+        bs = self.kvm.block_size
+        hashes = hash_blocks(req.namespace, req.prompt, bs)
+        matched = self.kvm.match_prefix(hashes)
+        self.stats.prefix_queries_tokens += len(req.prompt)
+        if self.tiers is not None:  # pin every HBM hit while the tiers are asked for more
+            self.kvm.pin(matched)
+            seq.kv.table.replace(matched)
+            req.hashes, req.hbm_blocks = hashes, len(matched)
+            req.lookup = self.tiers.start_lookup(req)
+            transition(req, S.LOADING)
+            return
+        k = len(matched) if len(matched) * bs >= self.window else 0
+        self.kvm.pin(matched[:k])
+        seq.kv.table.replace(matched[:k])
         seq.hashes = list(hashes[:k])
-        if r:
-            self.setup_replay(req, seq, r)
-            req.hbm_tokens = r
-        req.status = RequestStatus.PREFILL
-        return True
+        if k:
+            self._start_replay(req, seq, k * bs)
+            req.hbm_tokens = k * bs
+        transition(req, S.PREFILL)
 
-    def setup_replay(self, req: Request, seq: Sequence, r: int) -> None:
-        """Encoder bounded replay from a block-aligned hit r >= window (the first r // bs blocks are in
-        the table): keep their entries, re-encode [r - W, ...) with the window truncated at r - W."""
-        start = r - self.window
-        seq.kv.write_from, seq.kv.enc_start = r, start
-        seq.kv.tokens = list(req.prompt[:start])
-        for store in seq.kv.stores.values():
-            store.count = r // (self.block_size // store.per_block)
-        req.prefilled = start
+    def _start_replay(self, req: Request, seq: Sequence, r: int) -> None:
+        """Encoder bounded replay from a block-aligned cached prefix of ``r`` tokens (blocks in the table)."""
+        seq.kv.rewind(req.prompt, r)
+        req.prefilled = r - self.window
         req.cached_tokens = r
         req.replayed_tokens += self.window
-        self.prefix_hits_tokens += r
+        self.stats.prefix_hits_tokens += r
 
-    # ---- one step -------------------------------------------------------------------------------
+    def _resume(self, req: Request) -> bool:
+        """LOADING -> PREFILL with the finished lookup installed; False (stay LOADING) if the pool is short."""
+        plan = plan_resume(req.lookup.result(), req.hbm_blocks, self.kvm.block_size)
+        fresh = self.kvm.allocate(plan.num_new_blocks)
+        if fresh is None:
+            return False
+        seq = req.seqs[0]
+        res = install_resume(self.kvm, seq, req.prompt, req.hashes, plan, fresh)
+        self.tiers.count_resume(plan, res)
+        req.lookup = None
+        if res.kind is ResumeKind.EXACT:
+            req.prefilled = req.cached_tokens = res.cached_tokens
+            req.snapshot_tokens = res.snapshot_tokens
+            self.stats.prefix_hits_tokens += res.cached_tokens
+        elif res.kind is ResumeKind.REPLAY:
+            self._start_replay(req, seq, res.cached_tokens)
+        req.hbm_tokens, req.ssd_tokens = res.hbm_tokens, res.ssd_tokens
+        transition(req, S.PREFILL)
+        return True
+
+    def _swap_in(self, req: Request) -> bool:
+        """PREEMPTED -> the state it left, blocks restored; False (stays queued) if the pool is short."""
+        if self.kvm.num_free < blocks_to_swap_in(req.live_seqs):
+            return False
+        for seq in req.live_seqs:
+            swap_in(self.kvm, seq)
+        transition(req, req.resume_status)
+        return True
+
+    # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Mutates queues, states, tables, the pool and the requests' progress."""
         out = SchedulerOutput()
         budget = self.token_budget
-
         # 0. tier lookups that finished: LOADING -> PREFILL (a lookup in flight never blocks the step)
         for req in list(self.loading):
-            if req.lookup.done() and self._apply_lookup(req):
+            if req.lookup.done() and self._resume(req):
                 self.loading.remove(req)
-                req.status = RequestStatus.PREFILL
                 self.running.append(req)
-
-        # 1. decode: one token per live sequence, oldest requests first; preempt the newest on shortage
+        # 1. decode: one token per live sequence, oldest requests first
         for req in list(self.running):
-            if req.status is not RequestStatus.DECODE or req not in self.running:
-                continue
-            for seq in req.live_seqs:
-                if budget < 1:
-                    break
-                pos = len(seq.kv.tokens)
-                while not self._ensure_blocks(seq, pos + 1):
-                    victim = self._pick_victim(exclude=req)
-                    if victim is None:
-                        break
-                    self._preempt(victim, out)
-                else:
-                    out.encoder.append(EncoderWork(req, seq, [seq.output[-1]]))
-                    out.decoder.append(DecoderWork(req, seq, "decode"))
-                    budget -= 1
-                    continue
-                # no victim left: preempt this request itself
-                self._preempt(req, out)
-                break
-
+            if req.status is S.DECODE and req in self.running:
+                budget = self._schedule_decode(req, budget, out)
         # 2. running prefills / pending replays
         for req in list(self.running):
-            if req.status is RequestStatus.PREFILL:
-                budget = self._schedule_prefill(req, budget, out)
-            elif req.status is RequestStatus.REPLAY:
-                budget = self._schedule_replay(req, budget, out)
-
+            budget = self._schedule_prompt(req, budget, out)
         # 3. admissions (preempted first: they sit at the queue front)
-        while self.waiting and budget > 0 and self.num_running_seqs < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_running_seqs + len(self.loading) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.status is RequestStatus.PREEMPTED:
+            if req.status is S.PREEMPTED:
                 if not self._swap_in(req):
                     break
                 self.waiting.popleft()
                 self.running.append(req)
-                if req.status is RequestStatus.DECODE:
+                if req.status is S.DECODE:
                     continue  # decodes next step
             else:
                 self.waiting.popleft()
                 self._admit(req)
-                if req.status is RequestStatus.LOADING:
+                if req.status is S.LOADING:
                     self.loading.append(req)
                     continue
                 self.running.append(req)
-            if req.status is RequestStatus.PREFILL:
-                budget = self._schedule_prefill(req, budget, out)
-            elif req.status is RequestStatus.REPLAY:
-                budget = self._schedule_replay(req, budget, out)
+            budget = self._schedule_prompt(req, budget, out)
         out.num_tokens = self.token_budget - budget
+        now = time.monotonic()
+        for w in out.encoder:
+            if w.request.first_scheduled is None:
+                w.request.first_scheduled = now
         return out
+
+    def _schedule_decode(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        for seq in req.live_seqs:
+            if budget < 1:
+                break
+            while not self.kvm.ensure_blocks(seq.kv, len(seq.kv.tokens) + 1):
+                victim = self._pick_victim(exclude=req)
+                if victim is None:  # no victim left: preempt this request itself
+                    return budget + self._preempt(req, out)
+                budget += self._preempt(victim, out)
+            out.encoder.append(EncoderWork(req, seq, [seq.output[-1]]))
+            out.decoder.append(DecoderWork(req, seq, DecoderKind.DECODE))
+            budget -= 1
+        return budget
+
+    def _schedule_prompt(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        if req.status is S.PREFILL:
+            return self._schedule_prefill(req, budget, out)
+        if req.status is S.REPLAY:
+            return self._schedule_replay(req, budget, out)
+        return budget
 
     def _schedule_prefill(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         if budget <= 0:
             return budget
         seq = req.seqs[0]
-        remaining = len(req.prompt) - req.prefilled
-        chunk = min(remaining, budget)
-        if not self._ensure_blocks(seq, req.prefilled + chunk):
+        chunk = min(len(req.prompt) - req.prefilled, budget)
+        if not self.kvm.ensure_blocks(seq.kv, req.prefilled + chunk):
             return budget
         out.encoder.append(EncoderWork(req, seq, req.prompt[req.prefilled : req.prefilled + chunk]))
         req.prefilled += chunk
         req.computed_tokens += chunk
         budget -= chunk
         if req.prefilled == len(req.prompt):
-            req.status = RequestStatus.REPLAY
+            transition(req, S.REPLAY)
             budget = self._schedule_replay(req, budget, out)
         return budget
 
-    def _replay_len(self, req: Request) -> int:
-        seq = req.seqs[0]
-        n = len(req.prompt)
-        return n - max(seq.kv.enc_start, n - self.window, 0)
-
     def _schedule_replay(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        need = self._replay_len(req)
-        if need > budget and (out.encoder or out.decoder):
+        n = len(req.prompt)
+        need = n - req.seqs[0].kv.replay_start(n)
+        if need > budget and not out.empty:
             return budget  # next step (a replay longer than the whole budget runs alone)
-        out.decoder.append(DecoderWork(req, req.seqs[0], "replay"))
+        out.decoder.append(DecoderWork(req, req.seqs[0], DecoderKind.REPLAY))
         req.replayed_tokens += need
         return budget - need
 
-    # ---- preemption -----------------------------------------------------------------------------
+    # ---- preemption -------------------------------------------------------------------------------
     def _pick_victim(self, exclude: Request) -> Request | None:
         for req in reversed(self.running):
-            if req is not exclude and req.status in (RequestStatus.DECODE, RequestStatus.PREFILL,
-                                                     RequestStatus.REPLAY):
+            if req is not exclude and req.status in RUNNING:
                 return req
         return None
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Swap a request's private state and block images to the host, free its blocks, requeue it."""
-        # drop any work already scheduled for it in this step
-        out.encoder = [w for w in out.encoder if w.request is not req]
-        out.decoder = [w for w in out.decoder if w.request is not req]
-        self._swap_out(req)
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Swap a request's sequences to the host (snapshotting them first), requeue it at the front.
+
+        Victims are picked while decodes are scheduled (before any prefill of this step), so only
+        decode work is dropped; returns the budget it had spent.
+        """
+        refund = out.drop(req)
+        for seq in req.live_seqs:
+            if self.tiers is not None:
+                self.tiers.snapshot(req, seq)
+            swap_out(self.kvm, seq)
+        transition(req, S.PREEMPTED)
         self.running.remove(req)
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
+        self.stats.preemptions += 1
         out.preempted.append(req.request_id)
+        return refund

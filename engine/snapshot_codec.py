@@ -10,6 +10,7 @@ partial group (present flag, position, fp32 kv row, fp32 score row) and the imag
 block (the global KV of tokens [floor(P / bs) * bs, P)). The decoder's rings are not part of it: the
 decoder always replays the last window of a new prompt. Values are raw bytes (no pickle): a
 snapshot read back from Redis is validated field by field and a mismatch raises ``ValueError``.
+Decoding is pure: it returns an ``EncoderSnapshot`` that ``PagedSequence.install_snapshot`` applies.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import struct
 import numpy as np
 import torch
 
-from .model.compressor import PartialGroup
-from .paged_kv import PagedSequence
+from flashtier.engine.model.compressor import PartialGroup
+from flashtier.engine.paged_kv import EncoderSnapshot, PagedSequence
+from flashtier.engine.window_rings import WindowRings
 
 MAGIC = b"FTES"
 VERSION = 1
@@ -50,20 +52,19 @@ def encode_snapshot(kv: PagedSequence, n_encoder_layers: int, tail_image: bytes,
 
 
 def decode_snapshot(
-    payload: bytes, kv: PagedSequence, n_encoder_layers: int, partial_order: list[int], expect_point: int,
+    payload: bytes, rings: WindowRings, n_encoder_layers: int, partial_order: list[int], expect_point: int,
     tail_bytes: int,
-) -> bytes:
-    """Install a snapshot into ``kv`` (rings, partial groups, enc_start, write_from); returns the tail image.
+) -> EncoderSnapshot:
+    """Decode and validate a snapshot for a sequence whose rings look like ``rings`` (read-only).
 
-    Raises ValueError when the payload does not fit this model / point (the caller counts a miss and
-    falls back). Mutates ``kv`` only after every check passed.
+    Raises ValueError when the payload does not fit this model / point (the caller counts an error
+    and falls back). Mutates nothing.
     """
     if len(payload) < _HEADER.size:
         raise ValueError("snapshot shorter than its header")
     magic, version, point, enc_start, write_from, n_layers, window, slot, n_partial, hidden, tail_len = (
         _HEADER.unpack_from(payload)
     )
-    rings = kv.rings
     if magic != MAGIC or version != VERSION:
         raise ValueError("not a flashtier encoder snapshot of this version")
     if (point, n_layers, window, slot, n_partial) != (
@@ -95,13 +96,16 @@ def decode_snapshot(
         raise ValueError("snapshot length does not match its header")
     if pos.max(initial=-1) >= point:
         raise ValueError("snapshot ring holds positions at or beyond its point")
-    dev = rings.data.device
-    rings.data[:n_layers] = torch.from_numpy(data.copy()).view(n_layers, window, slot).to(dev)
-    rings.pos[:n_layers] = torch.from_numpy(pos.copy()).view(n_layers, window).to(dev)
-    kv.partial = groups
-    kv.enc_start, kv.write_from = int(enc_start), min(int(write_from), int(point))
-    return payload[at:]
+    return EncoderSnapshot(
+        point=int(point),
+        rings_data=torch.from_numpy(data.copy()).view(n_layers, window, slot),
+        rings_pos=torch.from_numpy(pos.copy()).view(n_layers, window),
+        partial=groups,
+        enc_start=int(enc_start),
+        write_from=int(write_from),
+        tail_image=payload[at:],
+    )
 
 
-def _tensor(arr: np.ndarray, rings) -> torch.Tensor:
+def _tensor(arr: np.ndarray, rings: WindowRings) -> torch.Tensor:
     return torch.from_numpy(arr.copy()).to(device=rings.data.device, dtype=rings.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -38,12 +39,23 @@ class LookupQuery:
     window: int
 
 
+class SnapshotOutcome(enum.Enum):
+    """What a lookup found in the snapshot pool (the value names the metric label)."""
+
+    HIT = "hit"
+    MISS = "miss"  # a candidate was listed but its payload is gone, or a block under it vanished
+    ERROR = "error"  # the lookup failed, or the payload did not validate
+    NONE = "none"  # no candidate point
+
+
 @dataclass(frozen=True)
-class LookupResult:
-    ssd_images: list[bytes]  # images of blocks hbm_blocks .. hbm_blocks + len - 1, read from SSD
+class TierLookup:
+    """A finished resume lookup: SSD block images after the HBM hits, and the best snapshot."""
+
+    ssd_images: tuple[bytes, ...]  # images of blocks hbm_blocks .. hbm_blocks + len - 1, read from SSD
     snapshot_point: int | None = None  # P of the snapshot found (None: no usable snapshot)
     snapshot_payload: bytes | None = None
-    snapshot_result: str = "miss"  # hit | miss | error | none (no candidate)
+    outcome: SnapshotOutcome = SnapshotOutcome.MISS
 
 
 @dataclass
@@ -56,7 +68,7 @@ class TierStats:
     ssd_blocks_loaded: int = 0
     snapshot_puts: int = 0
     snapshot_bytes_written: int = 0
-    snapshot_lookups: dict[str, int] = field(default_factory=lambda: {"hit": 0, "miss": 0, "error": 0, "none": 0})
+    snapshot_lookups: dict[SnapshotOutcome, int] = field(default_factory=lambda: dict.fromkeys(SnapshotOutcome, 0))
     lookups: int = 0
 
 
@@ -109,19 +121,19 @@ class TierManager:
         return fut
 
     # ---- lookups ----------------------------------------------------------------------------------
-    def lookup(self, query: LookupQuery) -> concurrent.futures.Future:
-        """Start a resume lookup; the future yields a ``LookupResult`` (never raises)."""
+    def lookup(self, query: LookupQuery) -> concurrent.futures.Future[TierLookup]:
+        """Start a resume lookup; the future yields a ``TierLookup`` (never raises)."""
         self.stats.lookups += 1
         return self._submit(self._lookup(query))
 
-    async def _lookup(self, q: LookupQuery) -> LookupResult:
+    async def _lookup(self, q: LookupQuery) -> TierLookup:
         try:
             return await self._lookup_inner(q)
         except Exception:  # noqa: BLE001 - any tier failure is a miss
             log.exception("tier lookup failed; treating it as a miss")
-            return LookupResult([], snapshot_result="error")
+            return TierLookup((), outcome=SnapshotOutcome.ERROR)
 
-    async def _lookup_inner(self, q: LookupQuery) -> LookupResult:
+    async def _lookup_inner(self, q: LookupQuery) -> TierLookup:
         bs, n = q.block_size, len(q.prompt)
         available = q.hbm_blocks
         if self.ssd is not None:
@@ -130,7 +142,7 @@ class TierManager:
         # the longest snapshot point P <= n - window whose full blocks are all available
         best_b = min(available, max(0, n - q.window) // bs)
         point = payload = None
-        result = "none"
+        result = SnapshotOutcome.NONE
         for b in range(best_b, max(-1, best_b - SNAPSHOT_SEARCH_BLOCKS), -1):
             parent = q.hashes[b - 1] if b else q.namespace
             points = await self.snapshots.points(q.namespace, parent)
@@ -143,9 +155,9 @@ class TierManager:
                     continue
                 data = await self.snapshots.get(key)
                 if data is not None:
-                    point, payload, result = p, data, "hit"
+                    point, payload, result = p, data, SnapshotOutcome.HIT
                     break
-                result = "miss"
+                result = SnapshotOutcome.MISS
             if point is not None:
                 break
         need = available if point is None else point // bs
@@ -157,8 +169,8 @@ class TierManager:
                     break
                 images.append(image)
             if len(images) < need - q.hbm_blocks and point is not None:
-                point, payload, result = None, None, "miss"  # a block under the snapshot vanished
-        return LookupResult(images, point, payload, result)
+                point, payload, result = None, None, SnapshotOutcome.MISS  # a block under it vanished
+        return TierLookup(tuple(images), point, payload, result)
 
     def close(self) -> None:
         for fut in list(self._pending):

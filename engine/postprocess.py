@@ -1,0 +1,87 @@
+"""After the forward: register full blocks (and write them through), snapshot at prompt end, turn
+finished replays into decodes (forking n > 1), sample one token per live sequence, end choices.
+
+    SchedulerOutput + ModelRunnerOutput ──▶ Postprocessor.process ──▶ the requests touched this step
+
+Runs on the engine thread; mutates requests, sequences and (through the scheduler) the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flashtier.engine.outputs import TokenLogprob
+from flashtier.engine.request import FinishReason, Request, Sequence
+from flashtier.engine.request_state import RequestStatus
+from flashtier.engine.runner import ModelRunnerOutput
+from flashtier.engine.sampler import Sampler, SamplerRow
+from flashtier.engine.scheduler import Scheduler
+from flashtier.engine.scheduler_output import DecoderKind, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """One sequence to sample, from logits row ``row`` (n > 1 choices share their replay's row)."""
+
+    request: Request
+    seq: Sequence
+    row: int
+
+
+class Postprocessor:
+    def __init__(self, scheduler: Scheduler, sampler: Sampler, *, eos_token_id: int, max_model_len: int):
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.generation_tokens = 0  # monotonic
+
+    def process(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results; returns the requests that got tokens (each once, in order)."""
+        kvm, tiers = self.scheduler.kvm, self.scheduler.tiers
+        for w in sched.encoder:
+            blocks = kvm.cache_full_blocks(w.seq, w.request.namespace)
+            if tiers is not None:
+                tiers.write_through(w.request, blocks)
+                if w.request.status is RequestStatus.REPLAY and len(w.seq.kv.tokens) == len(w.request.prompt):
+                    tiers.snapshot(w.request, w.seq)  # prompt end
+        if result.logits is None:
+            return []
+        rows: list[SampleRow] = []
+        for i, w in enumerate(sched.decoder):
+            if w.kind is DecoderKind.REPLAY:
+                self.scheduler.start_decode(w.request)
+                rows.extend(SampleRow(w.request, s, i) for s in w.request.live_seqs)
+            else:
+                rows.append(SampleRow(w.request, w.seq, i))
+        self._sample(rows, result.logits)
+        return list({id(r.request): r.request for r in rows}.values())
+
+    def _sample(self, rows: list[SampleRow], logits: torch.Tensor) -> None:
+        if not rows:
+            return
+        out = self.sampler(logits[[r.row for r in rows]],
+                           [SamplerRow(r.request.params, r.seq.output, r.request.prompt, r.seq.generator) for r in rows])
+        now = time.monotonic()
+        for j, (r, tok) in enumerate(zip(rows, out.token_ids.tolist())):
+            req, seq, p = r.request, r.seq, r.request.params
+            if req.first_token is None:
+                req.first_token = now
+            if p.logprobs is not None:
+                k = p.logprobs
+                seq.logprobs.append(TokenLogprob(
+                    tok, float(out.logprobs[j]), int(out.ranks[j]),
+                    tuple(zip(out.top_logprob_ids[j, :k].tolist(), out.top_logprobs[j, :k].tolist())),
+                ))
+            self.generation_tokens += 1
+            if (tok == self.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids:
+                if p.logprobs is not None:
+                    seq.logprobs.pop()
+                self.scheduler.finish_seq(req, seq, FinishReason.STOP, tok)
+                continue
+            seq.output.append(tok)
+            if len(seq.output) >= p.max_tokens or len(req.prompt) + len(seq.output) >= self.max_model_len:
+                self.scheduler.finish_seq(req, seq, FinishReason.LENGTH)

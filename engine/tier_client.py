@@ -1,0 +1,61 @@
+"""The scheduler's use of the tiers: start resume lookups, write full blocks through to SSD, put snapshots.
+
+Every call is fire and forget or a future (``TierManager`` does the I/O on its own thread); none can
+fail a request. Byte images come from the ``KVManager``, snapshot payloads from ``snapshot_codec``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from flashtier.engine.kv_manager import CachedBlock, KVManager
+from flashtier.engine.request import Request, Sequence
+from flashtier.engine.resume import ResumePlan, ResumeResult
+from flashtier.engine.snapshot_codec import encode_snapshot
+from flashtier.engine.tiers import LookupQuery, SnapshotOutcome, TierLookup, TierManager
+from flashtier.kvstore.snapshot import SnapshotKey
+
+
+class TierClient:
+    def __init__(self, tiers: TierManager, kvm: KVManager):
+        self.tiers = tiers
+        self.kvm = kvm
+
+    def start_lookup(self, req: Request) -> concurrent.futures.Future[TierLookup]:
+        """Ask the tiers for SSD blocks after the request's ``hbm_blocks`` HBM hits and a snapshot."""
+        q = LookupQuery(req.namespace, req.prompt, req.hashes, req.hbm_blocks, self.kvm.block_size,
+                        self.kvm.spec.window)
+        return self.tiers.lookup(q)
+
+    def write_through(self, req: Request, blocks: list[CachedBlock]) -> None:
+        """Queue the images of newly full blocks for the SSD tier. Mutates ``req.persisted_bytes``."""
+        for blk in blocks:
+            self.tiers.write_block(blk.block_hash, self.kvm.image(blk.block_id))
+            req.persisted_bytes += self.kvm.layout.block_bytes
+
+    def snapshot(self, req: Request, seq: Sequence) -> None:
+        """Put an encoder snapshot at P = len(tokens fed) into the snapshot pool (fire and forget).
+
+        Needs every full block below P hashed (``KVManager.cache_full_blocks`` ran). Mutates
+        ``req.persisted_bytes``.
+        """
+        kv = seq.kv
+        if not kv.tokens or not len(kv.table):
+            return
+        bs, p = self.kvm.block_size, len(kv.tokens)
+        b = p // bs
+        if len(seq.hashes) < b:
+            return  # a full block is not hashed yet (cannot happen after cache_full_blocks)
+        parent = seq.hashes[b - 1] if b else req.namespace
+        tail = self.kvm.image(kv.table.ids[b]) if p % bs else b""
+        spec = self.kvm.spec
+        payload = encode_snapshot(kv, spec.n_encoder_layers, tail, spec.partial_order)
+        self.tiers.put_snapshot(SnapshotKey.for_tail(req.namespace, parent, kv.tokens[b * bs : p]), payload)
+        req.persisted_bytes += len(payload)
+
+    def count_resume(self, plan: ResumePlan, result: ResumeResult) -> None:
+        stats = self.tiers.stats
+        stats.snapshot_lookups[plan.outcome] += 1
+        if result.snapshot_invalid:
+            stats.snapshot_lookups[SnapshotOutcome.ERROR] += 1
+        stats.ssd_blocks_loaded += result.ssd_blocks_loaded
