@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from flashtier.engine.async_engine import AsyncEngine
+from flashtier.engine.config import EngineConfig
+from flashtier.engine.engine import Engine
+from flashtier.engine.model.config import preset
+from flashtier.engine.model.init import random_model
+from flashtier.engine.model.loader import load_model
+from flashtier.engine.model.transformer import Transformer
+from flashtier.engine.tiers import TierManager
 from flashtier.kvstore.config import KVStoreConfig
-
-from .async_engine import AsyncEngine
-from .config import EngineConfig
-from .engine import Engine
-from .model.config import preset
-from .model.init import random_model
-from .model.loader import load_model
-from .model.transformer import Transformer
-from .tiers import TierManager
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 
-from .model.config import preset
-from .model.incremental import IncrementalModel
-from .model.init import random_model
-from .model.loader import load_model
-from .model.transformer import Transformer
-from .sampler import Sampler, SamplerRow, generator_for
-from .sampling_params import SamplingParams
+from flashtier.engine.model.config import preset
+from flashtier.engine.model.incremental import IncrementalModel
+from flashtier.engine.model.init import random_model
+from flashtier.engine.model.loader import load_model
+from flashtier.engine.model.transformer import Transformer
+from flashtier.engine.sampler import Sampler, SamplerRow, generator_for
+from flashtier.engine.sampling_params import SamplingParams
 
 
 def load_for_cli(model_dir: str | Path | None, preset_name: str | None, seed: int = 0) -> Transformer:

@@ -51,7 +51,7 @@ def init_random_(model: Transformer, seed: int = 0) -> Transformer:
 @torch.no_grad()
 def snap_to_formats(model: Transformer) -> Transformer:
     """Round every parameter to its checkpoint storage format in place (fp8 / mxfp4 / bf16 / fp32)."""
-    from flashtier.engine.checkpoint import quantize_roundtrip
+    from flashtier.engine.model.checkpoint import quantize_roundtrip
 
     params = dict(model.named_parameters())
     snapped = quantize_roundtrip({k: v.detach() for k, v in params.items()}, weight_formats(model))

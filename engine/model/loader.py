@@ -8,12 +8,11 @@ from pathlib import Path
 
 import torch
 
-from flashtier.engine.checkpoint import CheckpointReader, write_checkpoint
-
-from .config import ModelConfig, from_hf_dict, preset
-from .engram import default_token_map
-from .init import random_model
-from .transformer import Transformer, weight_formats
+from flashtier.engine.model.checkpoint import CheckpointReader, write_checkpoint
+from flashtier.engine.model.config import ModelConfig, from_hf_dict, preset
+from flashtier.engine.model.engram import default_token_map
+from flashtier.engine.model.init import random_model
+from flashtier.engine.model.transformer import Transformer, weight_formats
 
 log = logging.getLogger("flashtier.engine.model")
 

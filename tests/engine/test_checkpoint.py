@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from flashtier.engine import checkpoint_reader
-from flashtier.engine.checkpoint import (
+from flashtier.engine.model import checkpoint_reader
+from flashtier.engine.model.checkpoint import (
     CheckpointError,
     CheckpointReader,
     quantize_roundtrip,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashtier.engine.checkpoint import CheckpointError
+from flashtier.engine.model.checkpoint import CheckpointError
 from flashtier.engine.model.dspark import dspark_propose, new_rings, seed_rings
 from flashtier.engine.model.loader import load_model, save_model
 from flashtier.engine.model.reference import Plan, reference_forward

@@ -14,14 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashtier.engine.sampler import (
-    Sampler,
-    SamplerRow,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    generator_for,
-)
+from flashtier.engine import sampler as sampler_module
+from flashtier.engine.sampler import Sampler
+from flashtier.engine.sampler_filters import apply_min_p, apply_top_k_top_p
+from flashtier.engine.sampler_penalties import apply_penalties
+from flashtier.engine.sampler_row import SamplerRow, generator_for
 from flashtier.engine.sampling_params import SamplingParams
 
 N = 20_000
@@ -413,3 +410,10 @@ def test_sampled_token_is_in_reference_support(row, seed):
     tok = Sampler()(logits, [SamplerRow(params, generator=generator_for(params, "cpu"))]).token_ids.item()
     vals64 = [float(v) for v in logits[0]]
     assert tok in _reference_keep(vals64, top_k, top_p, min_p, slack=1e-5)
+
+
+def test_sampler_module_keeps_its_public_names():
+    """Callers import the whole sampling API from ``flashtier.engine.sampler``; the split keeps that."""
+    for name in sampler_module.__all__:
+        assert hasattr(sampler_module, name), name
+    assert sampler_module.SamplerRow is SamplerRow and sampler_module.apply_min_p is apply_min_p

@@ -11,7 +11,7 @@ and knows each tensor's storage format ("fp8", "fp8_rows", "mxfp4", "bf16", "fp3
         ...
 """
 
-from flashtier.engine.checkpoint_reader import (
+from flashtier.engine.model.checkpoint_reader import (
     CheckpointError,
     CheckpointReader,
     StorageFormat,
@@ -19,7 +19,11 @@ from flashtier.engine.checkpoint_reader import (
     TensorPlan,
     read_config,
 )
-from flashtier.engine.checkpoint_writer import DEFAULT_MAX_SHARD_BYTES, quantize_roundtrip, write_checkpoint
+from flashtier.engine.model.checkpoint_writer import (
+    DEFAULT_MAX_SHARD_BYTES,
+    quantize_roundtrip,
+    write_checkpoint,
+)
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",

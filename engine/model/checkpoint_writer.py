@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flashtier.engine.checkpoint_reader import (
+from flashtier.engine.model.checkpoint_reader import (
     CONFIG_FILE,
     FP8_BLOCK,
     FP8_ROWS_BLOCK,
