@@ -121,15 +121,6 @@ class PagedSequence:
         self.tokens = list(prompt[: snap.point])
         self._set_counts(snap.point)
 
-    def reset(self) -> None:
-        """Back to an empty state (a cold start): rings, partial groups, tokens, truncations, counts."""
-        self.rings.clear(range(self.rings.data.shape[0]))
-        self.partial = {src: None for src in self.partial}
-        self.tokens = []
-        self.enc_start = self.dec_start = self.write_from = 0
-        self.tail_x = self.tail_pre = None
-        self._set_counts(0)
-
     def _set_counts(self, position: int) -> None:
         for store in self.stores.values():
             store.count = store.count_at(position)

@@ -97,6 +97,23 @@ class Scheduler:
                 queue.remove(req)
         del self.requests[req.request_id]
 
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: each block is referenced at least once per live table holding it,
+        and no block outside the live tables is referenced (nothing leaks). Raises RuntimeError."""
+        pool = self.kvm.pool
+        pool.check_integrity()
+        owners: dict[int, int] = {}
+        for req in self.requests.values():
+            for seq in req.live_seqs:
+                for b in seq.kv.table.ids:
+                    owners[b] = owners.get(b, 0) + 1
+        for b, n in owners.items():
+            if pool.blocks[b].ref_cnt < n:
+                raise RuntimeError(f"block {b} is in {n} block tables but has ref count {pool.blocks[b].ref_cnt}")
+        held = {b.block_id for b in pool.blocks if b.ref_cnt > 0 and not b.is_null}
+        if held != owners.keys():
+            raise RuntimeError(f"referenced blocks {sorted(held)} != blocks in live tables {sorted(owners)}")
+
     # ---- sequences --------------------------------------------------------------------------------
     def new_sequence(self, req: Request, index: int) -> Sequence:
         gen = None
