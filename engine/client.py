@@ -1,8 +1,8 @@
 """The engine as the server sees it: ``EngineClient``, an async protocol (``AsyncEngine`` implements it).
 
 The server never touches scheduler or model objects: it submits token ids with ``SamplingParams``,
-iterates ``RequestOutput`` deltas, aborts, and reads stats. A test may implement this protocol with a
-scripted token source to drive output the random demo model would never produce (tool calls,
+iterates ``RequestOutput`` deltas, aborts, and reads stats. A test double may implement this protocol
+with tokens chosen by the test, to drive output the random demo model would never produce (tool calls,
 reasoning); everything around it stays real.
 """
 

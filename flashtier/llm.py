@@ -2,6 +2,9 @@
 
 Text prompts are tokenized with the model's tokenizer (the DeepSeek V4 tokenizer unless the model
 directory ships its own); token-id prompts pass through. Runs the synchronous engine to completion.
+
+Like the server, this is the top of the stack: it uses the server's text side (tokenizer, Engram token
+map) and the engine below both.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from flashtier.engine.factory import build_engine
 from flashtier.engine.outputs import TokenLogprob
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.server.engram_map import engram_token_map
+from flashtier.server.engram_map import install_token_map
 from flashtier.server.tokenizer import Tokenizer
 
 
@@ -54,9 +57,7 @@ class LLM:
                               max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         kv = KVStoreConfig(block_size=block_size, num_blocks=num_blocks)
         self.engine = build_engine(config, kv)
-        cfg = self.engine.model.cfg
-        token_map, _ = engram_token_map(self.tokenizer, cfg.vocab_size, cfg.engram_compressed_vocab)
-        self.engine.model.set_token_map(token_map.to(self.engine.model.device))
+        install_token_map(self.engine.model, self.tokenizer)
         self._counter = 0
 
     def generate(

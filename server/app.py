@@ -3,7 +3,7 @@
     client ─▶ HTTPMetrics ─▶ APIKey (/v1/*) ─▶ RequestBody (413, UTF-8) ─▶ FastAPI routes ─▶ EngineClient
 
 The lifespan builds the engine client with the factory (a plain or async callable taking the
-settings; the CLI passes ``build_async_engine``, tests a ``ScriptedEngineClient``), and at shutdown
+settings; the CLI passes one that builds the ``AsyncEngine``, tests a test double), and at shutdown
 calls ``engine_client.shutdown(drain_timeout)``. uvicorn's graceful shutdown runs first: on SIGTERM
 it stops accepting connections and waits (up to the same timeout) for in-flight responses, which
 the engine keeps serving, before the lifespan stops the engine.
@@ -34,7 +34,7 @@ from flashtier.server.settings import DEMO_NOTE, ServerSettings
 from flashtier.server.state import ServerState
 from flashtier.server.tokenizer import Tokenizer
 
-logger = logging.getLogger("flashtier.server")
+logger = logging.getLogger(__name__)
 
 EngineClientFactory = Callable[[ServerSettings], EngineClient | Awaitable[EngineClient]]
 _BODY_METHODS = ("POST", "PUT", "PATCH")

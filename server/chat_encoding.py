@@ -33,8 +33,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flashtier.server.dsml import CALLS_CLOSE, CALLS_OPEN, CALLS_SEPARATOR, INVOKE_CLOSE, PARAM_CLOSE, render_tool_calls
-from flashtier.server.tokenizer import BOS_TEXT, EOS_TEXT, SYSTEM_FALLBACK_TEXT
+from flashtier.server.dsml_markup import (
+    CALLS_CLOSE,
+    CALLS_OPEN,
+    CALLS_SEPARATOR,
+    INVOKE_CLOSE,
+    PARAM_CLOSE,
+    render_tool_calls,
+)
+from flashtier.server.tokenizer import BOS_TEXT, EOS_TEXT, SYSTEM_FALLBACK_TEXT, THINK_END, THINK_START
 
 if TYPE_CHECKING:
     from flashtier.server.tokenizer import Tokenizer
@@ -50,8 +57,6 @@ __all__ = [
 
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
 
 REASONING_EFFORT_LEVELS: Mapping[str, int] = {"low": 50, "high": 75, "max": 100}
 DEFAULT_REASONING_EFFORT = "high"

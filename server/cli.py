@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -11,9 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from flashtier.engine.client import EngineClient
+    from flashtier.server.app import EngineClientFactory
     from flashtier.server.settings import ServerSettings
 
 
@@ -42,14 +42,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from flashtier.engine.generate import generate_text_ids, load_for_cli
+    from flashtier.server.engram_map import install_token_map
     from flashtier.server.tokenizer import Tokenizer
-
-    from flashtier.server.engram_map import engram_token_map
 
     tok = Tokenizer.from_model_dir(args.model_dir)
     model = load_for_cli(args.model_dir, args.preset, seed=args.weights_seed)
-    token_map, _ = engram_token_map(tok, model.cfg.vocab_size, model.cfg.engram_compressed_vocab)
-    model.set_token_map(token_map.to(model.device))
+    install_token_map(model, tok)
     if args.model_dir is None:
         print(f"note: preset {model.cfg.name!r} with seeded random weights: its text is not meaningful",
               file=sys.stderr)
@@ -63,9 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, engine_factory: EngineClientFactory | None = None) -> int:
     import logging
-    import os
 
     import uvicorn
 
@@ -77,47 +74,33 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(levelname)-9s %(name)s: %(message)s")
     if settings.is_demo:
         print(f"note: {DEMO_NOTE}", file=sys.stderr)
-    app = create_app(settings, _engine_factory(settings))
+    app = create_app(settings, engine_factory or _model_engine)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 timeout_graceful_shutdown=settings.drain_timeout_s)
     return 0
 
 
-def _engine_factory(settings: ServerSettings) -> Callable[[ServerSettings], EngineClient]:
-    if settings.engine == "scripted":  # hidden --engine scripted: the API without a model (tests, demos)
-        from flashtier.server.scripted_engine import ScriptedEngineClient
-        from flashtier.server.tokenizer import Tokenizer
+def _model_engine(s: ServerSettings) -> EngineClient:
+    """The engine ``serve`` runs: the checkpoint in MODEL_DIR, else the demo checkpoint."""
+    import dataclasses
 
-        def scripted(s: ServerSettings) -> EngineClient:
-            tok = Tokenizer.from_model_dir(s.model_dir)
-            reply = tok.encode(" ".join(f"tick {i}." for i in range(1, 65)), allow_special=False)
-            return ScriptedEngineClient(reply + [tok.eos_id], eos_token_id=tok.eos_id, step_delay_s=0.02,
-                                        max_model_len=s.max_model_len or 8192, vocab_size=tok.vocab_size)
+    from flashtier.engine.factory import build_async_engine
+    from flashtier.engine.model.config import resolve
+    from flashtier.engine.model.loader import demo_checkpoint
+    from flashtier.server.engram_map import model_token_map
+    from flashtier.server.tokenizer import Tokenizer
 
-        return scripted
-
-    def model_engine(s: ServerSettings) -> EngineClient:
-        import dataclasses
-
-        from flashtier.engine.factory import build_async_engine
-        from flashtier.engine.model.config import resolve
-        from flashtier.engine.model.loader import demo_checkpoint
-        from flashtier.server.engram_map import engram_token_map
-        from flashtier.server.tokenizer import Tokenizer
-
-        config = s.engine_config()
-        if s.is_demo:  # the demo checkpoint (seeded random weights) in the cache directory
-            path = demo_checkpoint(os.path.join(s.cache_dir, "models"), s.effective_preset, s.weights_seed)
-            config = dataclasses.replace(config, model_dir=str(path))
-        cfg = resolve(config.model_dir, s.effective_preset)
-        tok = Tokenizer(s.tokenizer) if s.tokenizer else Tokenizer.from_model_dir(s.model_dir)
-        token_map, _ = engram_token_map(tok, cfg.vocab_size, cfg.engram_compressed_vocab)
-        return build_async_engine(config, s.kvstore, token_map, tiers=True)
-
-    return model_engine
+    config = s.engine_config()
+    if s.is_demo:  # the demo checkpoint (seeded random weights) in the cache directory
+        path = demo_checkpoint(os.path.join(s.cache_dir, "models"), s.effective_preset, s.weights_seed)
+        config = dataclasses.replace(config, model_dir=str(path))
+    cfg = resolve(config.model_dir, s.effective_preset)
+    tok = Tokenizer(s.tokenizer) if s.tokenizer else Tokenizer.from_model_dir(s.model_dir)
+    return build_async_engine(config, s.kvstore, model_token_map(tok, cfg), tiers=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(engine_factory: EngineClientFactory | None = None) -> argparse.ArgumentParser:
+    """The command line; `engine_factory` replaces the engine ``serve`` builds (see ``main``)."""
     p = argparse.ArgumentParser(prog="flashtier", description="DeepSeek-V4.1-Flash serving daemon")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -142,12 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (no MODEL_DIR: the demo 'tiny' model)")
     add_serve_arguments(srv)
-    srv.set_defaults(func=_serve)
+    srv.set_defaults(func=functools.partial(_serve, engine_factory=engine_factory))
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, *, engine_factory: EngineClientFactory | None = None) -> int:
+    """Run the command in `argv`. `engine_factory` (settings -> an ``EngineClient``) replaces the model
+    engine of ``serve``: the API in front of another engine client, as the tests run it."""
+    parser = build_parser(engine_factory)
     args = parser.parse_args(argv)
     if getattr(args, "max_tokens", 1) is not None and getattr(args, "max_tokens", 1) < 1:
         parser.error("--max-tokens must be at least 1")

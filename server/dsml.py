@@ -1,19 +1,10 @@
-"""DSML, the DeepSeek V4.1 tool-call markup: rendering it into prompts and parsing it out of model output.
+"""DSML out of model output: `DsmlStreamParser` splits a completion's text into reasoning, content and
+tool calls (the markup itself, and how it is written, is in dsml_markup.py; the events in dsml_events.py).
 
 An assistant turn as the model writes it (thinking mode; without thinking the `...</think>` part is absent
 because the prompt already ends in `</think>`):
 
-    {reasoning}</think>{content}\\n\\n<｜DSML｜ calls>
-    <｜DSML｜ invoke name="get_weather">
-    <｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>
-    <｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>
-    </｜DSML｜ invoke>
-    </｜DSML｜ calls><｜end▁of▁sentence｜>
-
-`｜DSML｜` is one token (U+FF5C bars); the tag names after it start with a space (the V4.1 spelling; V4 had
-`tool_calls`/`invoke`/`parameter` without it). string="true" marks a raw string value, string="false" a
-JSON value. This module owns that format: `render_tool_calls` writes it (chat_encoding uses it for echoed
-assistant turns) and `DsmlStreamParser` / `parse_completion` read it back.
+    {reasoning}</think>{content}\\n\\n<｜DSML｜ calls>...</｜DSML｜ calls><｜end▁of▁sentence｜>
 
 Streaming contract. `DsmlStreamParser.feed` accepts the output text split at any character boundary and
 returns typed events; text that might be the start of a marker (`</thi`, `\\n\\n<｜DS`, the EOS text) is held
@@ -26,194 +17,33 @@ that does not parse, the raw text is emitted as content.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
-import secrets
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
-__all__ = [
-    "CALLS_CLOSE",
-    "CALLS_OPEN",
-    "CALLS_SEPARATOR",
-    "ContentDelta",
-    "DsmlStreamParser",
-    "Event",
-    "ParsedCompletion",
-    "ReasoningDelta",
-    "ToolCall",
-    "ToolCallArgsDelta",
-    "ToolCallEnd",
-    "ToolCallStart",
-    "make_call_id",
-    "parse_completion",
-    "render_tool_calls",
-]
+from flashtier.server.dsml_events import (
+    ContentDelta,
+    Event,
+    ParsedCompletion,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    coalesce,
+    collect_events,
+    make_call_id,
+)
+from flashtier.server.dsml_markup import (
+    CALLS_CLOSE,
+    CALLS_OPEN,
+    CALLS_SEPARATOR,
+    INVOKE_CLOSE,
+    INVOKE_OPEN,
+    WHITESPACE,
+    parse_invoke,
+)
+from flashtier.server.held_suffix import held_suffix
+from flashtier.server.tokenizer import EOS_TEXT, THINK_END
 
-DSML_TOKEN = "｜DSML｜"
-CALLS_OPEN = f"<{DSML_TOKEN} calls>"
-CALLS_CLOSE = f"</{DSML_TOKEN} calls>"
-INVOKE_OPEN = f"<{DSML_TOKEN} invoke"
-INVOKE_CLOSE = f"</{DSML_TOKEN} invoke>"
-PARAM_OPEN = f"<{DSML_TOKEN} parameter"
-PARAM_CLOSE = f"</{DSML_TOKEN} parameter>"
-# The encoder puts a blank line between an assistant turn's content and its calls block, even when the
-# content is empty; the parser strips exactly this separator from the content.
-CALLS_SEPARATOR = "\n\n"
-THINK_END = "</think>"
-EOS_TEXT = "<｜end▁of▁sentence｜>"
-
-_INVOKE_HEAD_RE = re.compile(rf'<{DSML_TOKEN} invoke\s+name="([^"\n]+)"\s*>')
-_PARAM_HEAD_RE = re.compile(rf'<{DSML_TOKEN} parameter\s+name="([^"\n]+)"(?:\s+string="(true|false)")?\s*>')
-_WS = " \t\r\n"
-
-
-# ---- events -------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningDelta:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallStart:
-    index: int  # 0-based position of the call in this completion (OpenAI `tool_calls[].index`)
-    id: str  # `call_<24 hex>`
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallArgsDelta:
-    index: int
-    text: str  # the deltas of one call concatenate to a JSON object text
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallEnd:
-    index: int
-
-
-Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON object text
-
-    def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(slots=True)
-class ParsedCompletion:
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-def make_call_id(index: int, seed: str | None = None) -> str:
-    """`call_` + 24 hex digits: random, or derived from (seed, index) so tests get stable ids."""
-    if seed is None:
-        return "call_" + secrets.token_hex(12)
-    return "call_" + hashlib.sha256(f"{seed}:{index}".encode()).hexdigest()[:24]
-
-
-# ---- rendering ----------------------------------------------------------------------------------------
-
-
-def _identity(text: str) -> str:
-    return text
-
-
-def render_tool_calls(calls: Iterable[tuple[str, Mapping[str, Any]]], escape: Callable[[str], str] = _identity) -> str:
-    """The `<｜DSML｜ calls>` block (without the leading separator) for (name, arguments) pairs.
-
-    A str value is written raw with string="true"; anything else as JSON with string="false". `escape` is
-    applied to every client-supplied piece (names and values) so that text inside them cannot form a
-    control token (chat_encoding passes its escaper).
-    """
-    invokes = []
-    for name, arguments in calls:
-        params = []
-        for key, value in arguments.items():
-            is_str = isinstance(value, str)
-            text = value if is_str else json.dumps(value, ensure_ascii=False)
-            flag = "true" if is_str else "false"
-            params.append(f'{PARAM_OPEN} name="{escape(key)}" string="{flag}">{escape(text)}{PARAM_CLOSE}')
-        invokes.append(f'{INVOKE_OPEN} name="{escape(name)}">\n' + "\n".join(params) + f"\n{INVOKE_CLOSE}")
-    return f"{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
-
-
-# ---- parsing ------------------------------------------------------------------------------------------
-
-
-def _held_suffix(text: str, markers: Iterable[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`."""
-    best = 0
-    for marker in markers:
-        for k in range(min(len(text), len(marker) - 1), best, -1):
-            if text.endswith(marker[:k]):
-                best = k
-                break
-    return best
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _json_value(text: str) -> str | None:
-    """`text` stripped when it is one strict JSON value (no NaN/Infinity), else None."""
-    text = text.strip(_WS)
-    try:
-        json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
-        return None
-    return text
-
-
-def _parse_invoke(text: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of one complete `<｜DSML｜ invoke ...>...</｜DSML｜ invoke>`, None if malformed."""
-    head = _INVOKE_HEAD_RE.match(text)
-    if head is None:
-        return None
-    body = text[head.end() : len(text) - len(INVOKE_CLOSE)]
-    members: dict[str, str] = {}
-    pos = 0
-    while True:
-        while pos < len(body) and body[pos] in _WS:
-            pos += 1
-        if pos == len(body):
-            break
-        param = _PARAM_HEAD_RE.match(body, pos)
-        if param is None:
-            # A JSON object body (what grammar-constrained decoding may produce) is accepted in place of
-            # parameter tags, but not mixed with them.
-            if members or (obj := _json_value(body)) is None or not obj.startswith("{"):
-                return None
-            return head.group(1), obj
-        end = body.find(PARAM_CLOSE, param.end())
-        key, string_attr = param.group(1), param.group(2)
-        if end < 0 or key in members:
-            return None
-        raw = body[param.end() : end]
-        as_json = None if string_attr == "true" else _json_value(raw)
-        # string="false" with a value that is not JSON (`True`, bare words) is kept as the string it is.
-        members[key] = as_json if as_json is not None else json.dumps(raw, ensure_ascii=False)
-        pos = end + len(PARAM_CLOSE)
-    arguments = "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in members.items()) + "}"
-    return head.group(1), arguments
+__all__ = ["DsmlStreamParser", "parse_completion"]
 
 
 class _Mode(Enum):
@@ -264,11 +94,11 @@ class DsmlStreamParser:
         if cut >= 0:  # the model's end of turn: anything after it is not part of the answer
             text, self._eos_hold, self._saw_eos = text[:cut], "", True
         else:
-            keep = _held_suffix(text, (EOS_TEXT,))
+            keep = held_suffix(text, (EOS_TEXT,))
             text, self._eos_hold = text[: len(text) - keep], text[len(text) - keep :]
         out: list[Event] = []
         self._consume(text, out)
-        return _coalesce(out)
+        return coalesce(out)
 
     def finish(self) -> list[Event]:
         """End of output: releases held text; an unterminated calls block becomes content."""
@@ -284,10 +114,10 @@ class DsmlStreamParser:
             out.append(ReasoningDelta(buf))
         elif self._mode is _Mode.CONTENT and buf:
             out.append(ContentDelta(buf))
-        elif self._mode is _Mode.CALLS and buf.strip(_WS):
+        elif self._mode is _Mode.CALLS and buf.strip(WHITESPACE):
             # An unterminated block whose invokes all closed (only whitespace left) is accepted as is.
             out.append(ContentDelta(self._block_raw + buf))
-        return _coalesce(out)
+        return coalesce(out)
 
     # ---- the mode machine -------------------------------------------------------------------------------
 
@@ -321,7 +151,7 @@ class DsmlStreamParser:
         if self._mode is _Mode.CALLS:
             return self._step_calls(out)
         if self._mode is _Mode.AFTER_CALLS:
-            if buf.strip(_WS):
+            if buf.strip(WHITESPACE):
                 self._mode = _Mode.CONTENT
                 return True
             return False
@@ -339,7 +169,7 @@ class DsmlStreamParser:
         hits = [(buf.find(m), m) for m in markers]
         hits = [(i, m) for i, m in hits if i >= 0]
         if not hits:
-            self._emit(out, kind, len(buf) - _held_suffix(buf, markers))
+            self._emit(out, kind, len(buf) - held_suffix(buf, markers))
             return False
         at, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
         self._emit(out, kind, at)
@@ -351,7 +181,7 @@ class DsmlStreamParser:
 
     def _step_calls(self, out: list[Event]) -> bool:
         buf = self._buf
-        start = len(buf) - len(buf.lstrip(_WS)) if buf[:1] in _WS else 0
+        start = len(buf) - len(buf.lstrip(WHITESPACE)) if buf[:1] in WHITESPACE else 0
         if buf.startswith(CALLS_CLOSE, start):
             self._buf = buf[start + len(CALLS_CLOSE) :]
             self._mode = _Mode.AFTER_CALLS
@@ -362,12 +192,12 @@ class DsmlStreamParser:
                 self._waiting, self._tail = True, buf[-(len(INVOKE_CLOSE) - 1) :]
                 return False
             end += len(INVOKE_CLOSE)
-            parsed = _parse_invoke(buf[start:end])
+            parsed = parse_invoke(buf[start:end])
             if parsed is not None:
                 index = self._num_calls
                 self._num_calls += 1
-                out.append(ToolCallStart(index, make_call_id(index, self._id_seed), parsed[0]))
-                out.append(ToolCallArgsDelta(index, parsed[1]))
+                out.append(ToolCallStart(index, make_call_id(index, self._id_seed), parsed.name))
+                out.append(ToolCallArgsDelta(index, parsed.arguments))
                 out.append(ToolCallEnd(index))
                 self._buf, self._block_raw = buf[end:], ""
                 return True
@@ -382,45 +212,8 @@ class DsmlStreamParser:
         return False
 
 
-def _coalesce(events: list[Event]) -> list[Event]:
-    """Merge adjacent text deltas of the same kind."""
-    merged: list[Event] = []
-    for ev in events:
-        if isinstance(ev, (ReasoningDelta, ContentDelta)):
-            if not ev.text:
-                continue
-            if merged and type(merged[-1]) is type(ev):
-                merged[-1] = type(ev)(merged[-1].text + ev.text)
-                continue
-        merged.append(ev)
-    return merged
-
-
 def parse_completion(text: str, thinking: bool, tools_enabled: bool, *, id_seed: str | None = None) -> ParsedCompletion:
     """Non-streaming parse of a whole completion: the same rules as feeding it to `DsmlStreamParser`."""
     parser = DsmlStreamParser(thinking, tools_enabled, id_seed=id_seed)
     events = parser.feed(text) + parser.finish()
     return collect_events(events)
-
-
-def collect_events(events: Iterable[Event]) -> ParsedCompletion:
-    """Fold a stream of events into reasoning, content and complete tool calls."""
-    result = ParsedCompletion()
-    reasoning: list[str] = []
-    content: list[str] = []
-    calls: dict[int, list[str]] = {}
-    for ev in events:
-        if isinstance(ev, ReasoningDelta):
-            reasoning.append(ev.text)
-        elif isinstance(ev, ContentDelta):
-            content.append(ev.text)
-        elif isinstance(ev, ToolCallStart):
-            calls[ev.index] = [ev.id, ev.name, ""]
-        elif isinstance(ev, ToolCallArgsDelta):
-            calls[ev.index][2] += ev.text
-        elif isinstance(ev, ToolCallEnd):
-            call_id, name, arguments = calls[ev.index]
-            result.tool_calls.append(ToolCall(call_id, name, arguments))
-    result.reasoning = "".join(reasoning)
-    result.content = "".join(content)
-    return result

@@ -8,16 +8,25 @@ code's numbering is not public; any fixed numbering is equivalent for a model tr
 this matters only for real checkpoints — see docs/model.md).
 
 The map is text processing, so it lives here; the engine receives the finished int tensor.
+``model_token_map`` sizes it to a model's config, ``install_token_map`` sets it on a loaded model:
+every entry point (``flashtier serve``/``generate``, the offline ``LLM``) goes through these two.
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
+from typing import TYPE_CHECKING
 
 import torch
 
-from .tokenizer import Tokenizer
+from flashtier.server.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from flashtier.engine.model.config import ModelConfig
+    from flashtier.engine.model.transformer import Transformer
+
+__all__ = ["engram_token_map", "install_token_map", "model_token_map", "normalise"]
 
 _WS = re.compile(r"\s+")
 
@@ -49,3 +58,15 @@ def engram_token_map(
     if n_classes is not None:
         out = out % n_classes
     return out, len(classes)
+
+
+def model_token_map(tokenizer: Tokenizer, cfg: ModelConfig) -> torch.Tensor:
+    """The map a model of config `cfg` takes: one entry per vocabulary id, classes folded to
+    ``cfg.engram_compressed_vocab`` (on the CPU)."""
+    token_map, _ = engram_token_map(tokenizer, cfg.vocab_size, cfg.engram_compressed_vocab)
+    return token_map
+
+
+def install_token_map(model: Transformer, tokenizer: Tokenizer) -> None:
+    """Set `tokenizer`'s map on a loaded model (on the model's device)."""
+    model.set_token_map(model_token_map(tokenizer, model.cfg).to(model.device))

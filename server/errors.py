@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashtier.engine.client import QueueFullError
 
-logger = logging.getLogger("flashtier.server")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "APIError",

@@ -226,6 +226,15 @@ class RequestTracker:
             self._m.itl.observe(now - self._last_token)
         self._last_token = now
 
+    def prompt_tokens(self, request_id: str) -> int:
+        """The prompt length the engine reported for one engine request (0 before its first output)."""
+        return self._prompt_tokens.get(request_id, 0)
+
+    @property
+    def caches(self) -> list[CacheUsage]:
+        """The latest cache usage reported for each engine request (they are summed into usage, too)."""
+        return list(self._cache.values())
+
     def finish(self, *, completion_tokens: int, finish_reasons: Sequence[str | None], max_tokens: int | None,
                n: int) -> None:
         """Record the request's totals; `finish_reasons` holds one engine-level reason per sequence."""

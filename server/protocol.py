@@ -19,8 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flashtier.engine.sampling_params import MAX_LOGPROBS
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOGPROBS = 20
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:\-]{1,64}$"
 
 

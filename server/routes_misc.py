@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from flashtier.server.chat_prompt import render_chat
 from flashtier.server.errors import BadRequest
 from flashtier.server.protocol import (
     DetokenizeRequest,
@@ -23,10 +24,9 @@ from flashtier.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from flashtier.server.routes_chat import render_chat
+from flashtier.server.request_checks import check_text
 from flashtier.server.settings import DEMO_NOTE
 from flashtier.server.state import ServerState, get_state
-from flashtier.server.streaming import check_text
 
 router = APIRouter()
 

@@ -131,12 +131,6 @@ def default_cache_dir(environ: Mapping[str, str] | None = None) -> str:
     return os.path.join(base, "flashtier")
 
 
-def _engine_kind(text: str) -> str:
-    if text not in ("model", "scripted"):
-        raise ValueError(f"engine must be 'model' or 'scripted', got {text!r}")
-    return text
-
-
 @dataclass(frozen=True)
 class Option:
     """One setting: CLI flag, environment variable and parser, declared together."""
@@ -188,8 +182,6 @@ OPTIONS: tuple[Option, ...] = (
            "cuda, float32 on cpu)"),
     Option("weights_seed", "--weights-seed", int, 0, "seed of the demo preset's random weights",
            hidden=True),
-    Option("engine", "--engine", _engine_kind, "model", "model | scripted (tests: a scripted token source)",
-           hidden=True),
     # -- kvstore
     Option("block_size", "--block-size", _positive_int, 64, "tokens per KV block (a multiple of 8)"),
     Option("num_blocks", "--num-blocks", _positive_int, None, "HBM pool size in blocks (overrides "
@@ -237,7 +229,6 @@ class ServerSettings:
     device: str | None = None
     dtype: str = "auto"
     weights_seed: int = 0
-    engine: str = "model"
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     cache_dir: str = field(default_factory=default_cache_dir)
 

@@ -1,6 +1,6 @@
 """What the routes share: ``ServerState`` (settings, tokenizer, metrics, the engine client) and the
-request checks and mappings common to chat and completions (model name, context length, sampling
-parameters, usage, logprob entries)."""
+mappings common to chat and completions (model name, stop strings, sampling parameters, usage,
+logprob entries). The request checks are in request_checks.py."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ from flashtier.server.errors import BadRequest, NotFound, ServiceUnavailable
 from flashtier.server.metrics import ServerMetrics
 from flashtier.server.protocol import SamplingFields
 from flashtier.server.settings import ServerSettings
-from flashtier.server.streaming import TokenTexts, check_text
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.server.token_texts import TokenTexts
+from flashtier.server.tokenizer import THINK_END, Tokenizer
 
 # Logprobs are clamped to this so that JSON never carries -Infinity.
 MIN_LOGPROB = -9999.0
+# Prompts larger than this (characters) are encoded on a worker thread, off the event loop.
+THREAD_ENCODE_CHARS = 32_768
 
 
 class ServerState:
@@ -36,7 +38,7 @@ class ServerState:
         self.engine: EngineClient | None = None
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
-        self.think_end_id = tokenizer.token_to_id("</think>")
+        self.think_end_id = tokenizer.token_to_id(THINK_END)
 
     def require_engine(self) -> EngineClient:
         engine = self.engine
@@ -77,33 +79,6 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
-
-
-def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, *, prompt_param: str,
-                       tokens_param: str) -> int:
-    """max_tokens for the engine: the request's, else what is left of the context; 400 on overflow."""
-    if prompt_len == 0:
-        raise BadRequest("the prompt is empty", param=prompt_param)
-    if prompt_len >= max_model_len or (requested is not None and prompt_len + requested > max_model_len):
-        asked = f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion)" \
-            if requested is not None else f"{prompt_len} tokens in the prompt, leaving no room for a completion"
-        raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested {asked}. "
-            "Please reduce the length of the prompt or of the completion.",
-            param=tokens_param if requested is not None else prompt_param, code="context_length_exceeded")
-    return requested if requested is not None else max_model_len - prompt_len
-
-
-def check_common(state: ServerState, body: SamplingFields) -> None:
-    """Checks shared by chat and completions that pydantic's per-field ranges cannot express."""
-    if body.n > state.settings.max_n:
-        raise BadRequest(f"n must be at most {state.settings.max_n} on this server, got {body.n}", param="n")
-    if body.stream_options is not None and not body.stream:
-        raise BadRequest("stream_options can only be set when stream is true", param="stream_options")
-    if body.logit_bias:
-        raise BadRequest("logit_bias is not supported", param="logit_bias")
-    for name in ("stop", "cache_salt", "user"):
-        check_text(getattr(body, name), name)
 
 
 def build_sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:

@@ -33,6 +33,9 @@ PAD_FALLBACK_TEXT = "<｜▁pad▁｜>"
 # `<｜begin▁sys｜>` token stands in for it (docs/encoding.md, "System marker").
 SYSTEM_TEXT = "<｜System｜>"
 SYSTEM_FALLBACK_TEXT = "<｜begin▁sys｜>"
+# Thinking mode: reasoning runs from `<think>` (the end of the prompt) to `</think>`.
+THINK_START = "<think>"
+THINK_END = "</think>"
 
 _REPLACEMENT_CHAR = "\ufffd"
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flashtier.server.chat_encoding import REASONING_EFFORT_LINE
-from flashtier.server.dsml import render_tool_calls
+from flashtier.server.dsml_markup import render_tool_calls
 
 from .conftest import DEFAULT_REPLY
 

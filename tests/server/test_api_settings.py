@@ -45,7 +45,7 @@ def test_tier_flags_parse_sizes_and_durations(tmp_path):
     assert s.kvstore.ssd_lifetime_s == 3 * 86400 and s.kvstore.ssd_budget_bytes == 1 << 30
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-lifetime", "soon"])
-    assert s.engine == "model" and s.max_model_len is None
+    assert s.max_model_len is None
 
 
 def test_environment_and_flag_precedence(tmp_path):
@@ -97,15 +97,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_command() -> list[str]:
-    exe = Path(sys.executable).with_name("flashtier")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "flashtier.server.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _scripted_serve_command() -> list[str]:
+    """`flashtier serve` in front of the scripted engine (tests/server/scripted_serve.py)."""
+    return [sys.executable, "-m", "tests.server.scripted_serve"]
 
 
 def test_serve_process_drains_on_sigterm(tmp_path):
     port = _free_port()
-    env = {**os.environ, "FLASHTIER_PORT": str(port), "FLASHTIER_DRAIN_TIMEOUT": "20"}
-    proc = subprocess.Popen([*_serve_command(), "serve", "--engine", "scripted"], cwd=tmp_path, env=env,
+    env = {**os.environ, "FLASHTIER_PORT": str(port), "FLASHTIER_DRAIN_TIMEOUT": "20",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen(_scripted_serve_command(), cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -14,7 +14,8 @@ from flashtier.server.chat_encoding import (
     reasoning_effort_value,
     render_tools_block,
 )
-from flashtier.server.dsml import parse_completion, render_tool_calls
+from flashtier.server.dsml import parse_completion
+from flashtier.server.dsml_markup import render_tool_calls
 from flashtier.server.tokenizer import Tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashtier.server.dsml import (
+from flashtier.server.dsml import DsmlStreamParser, parse_completion
+from flashtier.server.dsml_events import (
     ContentDelta,
-    DsmlStreamParser,
     ReasoningDelta,
     ToolCall,
     ToolCallArgsDelta,
@@ -18,9 +18,8 @@ from flashtier.server.dsml import (
     ToolCallStart,
     collect_events,
     make_call_id,
-    parse_completion,
-    render_tool_calls,
 )
+from flashtier.server.dsml_markup import render_tool_calls
 
 EOS = "<｜end▁of▁sentence｜>"
 

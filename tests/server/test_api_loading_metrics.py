@@ -1,0 +1,51 @@
+"""/metrics during a slow tier lookup: the request counts as loading, not running.
+
+The snapshot pool is a real redis-server stopped with SIGSTOP: every Redis call of the resume lookup
+waits out its timeout (0.25 s), and the lookup probes up to 64 block boundaries, so the second turn
+sits in LOADING for seconds while /metrics is scraped. SIGCONT lets it finish normally.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from ..kvstore.redis_server import RedisServer
+from .test_api_tiers import Server, _chunk
+
+
+def _gauges(srv: Server) -> tuple[float, float]:
+    return srv.metric("flashtier_num_requests_loading"), srv.metric("flashtier_num_requests_running")
+
+
+@pytest.mark.slow
+def test_a_request_in_a_slow_lookup_is_loading_not_running(tmp_path):
+    redis = RedisServer().start()
+    srv = Server(tmp_path, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url, "--block-size", "16")
+    try:
+        prompt = _chunk(1200, seed=7)
+        first = srv.complete(prompt, max_tokens=2)["choices"][0]["token_ids"]
+        assert _gauges(srv) == (0, 0)
+        redis.proc.send_signal(signal.SIGSTOP)
+        answer: dict = {}
+        turn = threading.Thread(target=lambda: answer.update(srv.complete(prompt + first + _chunk(40, seed=8), 2)))
+        turn.start()
+        seen = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (1, 0) not in seen:
+            seen.append(_gauges(srv))
+            time.sleep(0.05)
+        redis.proc.send_signal(signal.SIGCONT)
+        turn.join(timeout=120)
+        assert (1, 0) in seen, f"never saw loading=1, running=0 in {seen[-5:]}"
+        assert all(loading + running <= 1 for loading, running in seen)
+        assert len(answer["choices"][0]["token_ids"]) == 2
+        assert _gauges(srv) == (0, 0)
+    finally:
+        if redis.proc is not None:
+            redis.proc.send_signal(signal.SIGCONT)
+        srv.stop()
+        redis.stop()
