@@ -395,10 +395,10 @@ def test_check_integrity_catches_inconsistencies(open_store):
     keys = [key(i) for i in range(6)]
     put_all(s, keys)
     s.check_integrity(deep=True)
-    s._bytes += 1
+    s._meta.bytes += 1
     with pytest.raises(RuntimeError, match="byte count"):
         s.check_integrity()
-    s._bytes -= 1
+    s._meta.bytes -= 1
     flip(s, keys[2], 10)  # a header byte: only the deep check reads headers
     s.check_integrity()
     with pytest.raises(RuntimeError, match="checksum"):
@@ -595,7 +595,7 @@ def test_a_read_racing_a_compaction_finds_the_moved_record(open_store, clock, mo
     put_all(s, keys)
     clock.advance(1)
     put_all(s, keys[:3])  # segment 1 keeps one live record, keys[3]: maintain() will move it
-    real = s._read_chunk
+    real = s._reader._read_chunk
     calls = []
 
     def compact_in_between(*args):
@@ -604,7 +604,7 @@ def test_a_read_racing_a_compaction_finds_the_moved_record(open_store, clock, mo
         calls.append(args[0])
         return real(*args)
 
-    monkeypatch.setattr(s, "_read_chunk", compact_in_between)
+    monkeypatch.setattr(s._reader, "_read_chunk", compact_in_between)
     assert s.get(keys[3]) == payload(keys[3])
     assert calls[0] == [1] and calls[1] != [1]  # looked up again in its new segment
     assert s.stats().compactions == 1 and s.stats().hits == 1
