@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from .outputs import EngineStats, RequestOutput
-from .sampling_params import SamplingParams
+from flashtier.engine.outputs import EngineStats, RequestOutput
+from flashtier.engine.sampling_params import SamplingParams
 
 
 class EngineClient(Protocol):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import BlockLayout
+from flashtier.kvstore.layout import BlockLayout
 
 
 class GlobalKVPool:

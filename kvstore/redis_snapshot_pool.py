@@ -37,10 +37,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .block_hash import BlockHash
-from .config import KVStoreConfig
-from .snapshot import HEADER_BYTES, Snapshot, SnapshotCorrupt, SnapshotKey, directory_key
-from .snapshot_pool import EmbeddedSnapshotPool, SnapshotPool, _check_dir, _check_key, _check_payload
+from flashtier.kvstore.block_hash import BlockHash
+from flashtier.kvstore.config import KVStoreConfig
+from flashtier.kvstore.snapshot import HEADER_BYTES, Snapshot, SnapshotCorrupt, SnapshotKey, directory_key
+from flashtier.kvstore.snapshot_pool import EmbeddedSnapshotPool, SnapshotPool, _check_dir, _check_key, _check_payload
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import crc32c
 
-from .block_hash import DIGEST_BYTES, BlockHash, hash_block
+from flashtier.kvstore.block_hash import DIGEST_BYTES, BlockHash, hash_block
 
 MAGIC = b"FTSS"
 VERSION = 1

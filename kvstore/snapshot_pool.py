@@ -24,9 +24,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .block_hash import BlockHash
-from .config import KVStoreConfig
-from .snapshot import HEADER_BYTES, SnapshotKey
+from flashtier.kvstore.block_hash import BlockHash
+from flashtier.kvstore.config import KVStoreConfig
+from flashtier.kvstore.snapshot import HEADER_BYTES, SnapshotKey
 
 
 @dataclass(slots=True)

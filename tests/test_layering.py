@@ -3,6 +3,8 @@
 1. Imports go one way: server -> engine -> {kvstore, kernels}; kvstore and kernels import neither.
 2. A leaf subpackage (engine/model/) does not import its parent package: the parent builds on it.
 3. One import style: absolute ``flashtier.<pkg>...`` imports only, no relative ones.
+4. The top folder (flashtier/: the offline ``LLM``) sits above everything: it may import any folder,
+   and no folder imports it (``flashtier.__version__`` excepted).
 
 Every import is resolved to the absolute dotted name it reaches (``from flashtier import server`` is
 ``flashtier.server``; ``from ..sampler import S`` in engine/model/x.py is ``flashtier.engine.sampler.S``),
@@ -26,8 +28,8 @@ ALLOWED = {
 # folders (relative to ROOT) that may not import the package they sit in
 LEAF_SUBPACKAGES = ("engine/model",)
 LEAVES_PACKAGE = "<relative import leaving the package>"
-# packages that still hold relative imports until the lead's conversion script runs
-NOT_YET_ABSOLUTE = {"server", "engine", "kvstore"}
+TOP = "flashtier"  # the folder of the top-level modules (llm.py)
+TOP_ALLOWED_BELOW = {"flashtier.__version__"}  # what the folders may import from the top
 
 
 def _dotted_package(path: Path, root: Path) -> list[str]:
@@ -116,15 +118,31 @@ def test_subpackage_does_not_import_its_parent(subpackage):
     assert not bad, f"{subpackage}/ imports its parent package:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=False, reason="converted by lead"))
-        if p in NOT_YET_ABSOLUTE
-        else p
-        for p in PACKAGES
-    ],
-)
+def _top_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """Imports of the top-level modules (``flashtier.llm``, ``flashtier.LLM``) from below them."""
+    bad = []
+    for line, name, _ in _resolved_imports(path, root):
+        parts = name.split(".")
+        if parts[0] == TOP and len(parts) > 1 and parts[1] not in PACKAGES and name not in TOP_ALLOWED_BELOW:
+            bad.append(f"{path.relative_to(root)}:{line} imports {name}")
+    return bad
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_nothing_imports_the_top_level(package):
+    bad = [line for path in _sources(package) for line in _top_imports(path)]
+    assert not bad, "the top-level API sits above every folder:\n" + "\n".join(bad)
+
+
+def test_checker_catches_an_import_of_the_top(tmp_path):
+    pkg = tmp_path / "engine"
+    pkg.mkdir()
+    (pkg / "bad.py").write_text("from flashtier import LLM, __version__\nimport flashtier.llm\n")
+    assert _top_imports(pkg / "bad.py", root=tmp_path) == [
+        "engine/bad.py:1 imports flashtier.LLM", "engine/bad.py:2 imports flashtier.llm"]
+
+
+@pytest.mark.parametrize("package", (*PACKAGES, TOP))
 def test_imports_are_absolute(package):
     bad = [line for path in _sources(package) for line in _relative_imports(path)]
     assert not bad, "relative imports (write `from flashtier.<pkg>... import ...`):\n" + "\n".join(bad)

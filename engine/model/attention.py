@@ -12,14 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashtier.engine.model.compressor import Compressor
+from flashtier.engine.model.config import LayerRole, ModelConfig
+from flashtier.engine.model.indexer import Indexer
+from flashtier.engine.model.norm import RMSNorm
+from flashtier.engine.model.numerics import qdq, up
+from flashtier.engine.model.rope import make_rope
 from flashtier.kernels.quant_fp8 import fp8_qdq
-
-from .compressor import Compressor
-from .config import LayerRole, ModelConfig
-from .indexer import Indexer
-from .norm import RMSNorm
-from .rope import make_rope
-from .numerics import qdq, up
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

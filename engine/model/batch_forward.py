@@ -19,14 +19,13 @@ from typing import Protocol
 
 import torch
 
+from flashtier.engine.model.compressor import PartialGroup
+from flashtier.engine.model.engram import ngram_ids
+from flashtier.engine.model.layer_forward import GlobalEntries, LocalKeys, StepSlots, attend, project_decoder_entries
+from flashtier.engine.model.mhc import identity_pre
+from flashtier.engine.model.numerics import qdq
+from flashtier.engine.model.transformer import Transformer
 from flashtier.kernels.quant_fp8 import fp8_qdq
-
-from .compressor import PartialGroup
-from .engram import ngram_ids
-from .layer_forward import GlobalEntries, LocalKeys, StepSlots, attend, project_decoder_entries
-from .mhc import identity_pre
-from .numerics import qdq
-from .transformer import Transformer
 
 
 class SequenceKV(Protocol):

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention
-from .config import LayerRole, ModelConfig
-from .engram import Engram
-from .mhc import HcMix, hc_mixes, hc_post, hc_pre
-from .moe import MoE
-from .norm import RMSNorm
+from flashtier.engine.model.attention import Attention
+from flashtier.engine.model.config import LayerRole, ModelConfig
+from flashtier.engine.model.engram import Engram
+from flashtier.engine.model.mhc import HcMix, hc_mixes, hc_post, hc_pre
+from flashtier.engine.model.moe import MoE
+from flashtier.engine.model.norm import RMSNorm
 
 
 class Block(nn.Module):

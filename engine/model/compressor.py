@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .norm import RMSNorm
-from .numerics import up
+from flashtier.engine.model.config import ModelConfig
+from flashtier.engine.model.norm import RMSNorm
+from flashtier.engine.model.numerics import up
 
 
 @dataclass

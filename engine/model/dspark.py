@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import sparse_attention
-from .block import Block
-from .config import LayerRole, ModelConfig
-from .mhc import hc_pre, identity_pre
-from .norm import RMSNorm
-from .numerics import up
+from flashtier.engine.model.attention import sparse_attention
+from flashtier.engine.model.block import Block
+from flashtier.engine.model.config import LayerRole, ModelConfig
+from flashtier.engine.model.mhc import hc_pre, identity_pre
+from flashtier.engine.model.norm import RMSNorm
+from flashtier.engine.model.numerics import up
 
 
 class MarkovHead(nn.Module):

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .numerics import up
+from flashtier.engine.model.config import ModelConfig
+from flashtier.engine.model.numerics import up
 
 
 def _is_prime(n: int) -> bool:

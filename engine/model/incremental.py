@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashtier.engine.model.batch_forward import decode_batch, encode_batch
+from flashtier.engine.model.compressor import PartialGroup
+from flashtier.engine.model.layer_forward import EntryStore, LocalKeys
+from flashtier.engine.model.numerics import qdq
+from flashtier.engine.model.transformer import Transformer
 from flashtier.kernels.quant_fp8 import fp8_qdq
-
-from .batch_forward import decode_batch, encode_batch
-from .compressor import PartialGroup
-from .layer_forward import EntryStore, LocalKeys
-from .numerics import qdq
-from .transformer import Transformer
 
 
 @dataclass

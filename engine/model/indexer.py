@@ -15,12 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flashtier.engine.model.config import ModelConfig
+from flashtier.engine.model.norm import RMSNorm
+from flashtier.engine.model.numerics import qdq, up
+from flashtier.engine.model.rope import make_rope
 from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
-
-from .config import ModelConfig
-from .norm import RMSNorm
-from .rope import make_rope
-from .numerics import qdq, up
 
 
 class Indexer(nn.Module):

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .transformer import Transformer, weight_formats
+from flashtier.engine.model.transformer import Transformer, weight_formats
 
 
 @torch.no_grad()

@@ -20,15 +20,14 @@ from typing import Protocol
 
 import torch
 
+from flashtier.engine.model.attention import sparse_attention
+from flashtier.engine.model.block import Block
+from flashtier.engine.model.compressor import PartialGroup
+from flashtier.engine.model.indexer import candidate_pool, index_scores, select_topk
+from flashtier.engine.model.numerics import qdq
 from flashtier.kernels.quant_fp4 import fp4_qdq
 from flashtier.kernels.quant_fp8 import fp8_qdq
 from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
-
-from .attention import sparse_attention
-from .block import Block
-from .compressor import PartialGroup
-from .indexer import candidate_pool, index_scores, select_topk
-from .numerics import qdq
 
 
 @dataclass

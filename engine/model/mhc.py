@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from .numerics import up
+from flashtier.engine.model.numerics import up
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from .numerics import up
+from flashtier.engine.model.numerics import up
 
 
 class RMSNorm(nn.Module):

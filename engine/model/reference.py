@@ -25,10 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .engram import ngram_ids
-from .layer_forward import EntryStore, LocalKeys, StepSlots, layer_forward, project_decoder_entries
-from .mhc import identity_pre
-from .transformer import Transformer
+from flashtier.engine.model.engram import ngram_ids
+from flashtier.engine.model.layer_forward import (
+    EntryStore,
+    LocalKeys,
+    StepSlots,
+    layer_forward,
+    project_decoder_entries,
+)
+from flashtier.engine.model.mhc import identity_pre
+from flashtier.engine.model.transformer import Transformer
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
-from .numerics import up
+from flashtier.engine.model.config import ModelConfig
+from flashtier.engine.model.numerics import up
 
 
 def _yarn_correction_dim(n_rot: float, dim: int, base: float, orig_len: int) -> float:

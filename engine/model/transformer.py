@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .block import Block
-from .config import ModelConfig
-from .dspark import DSparkStage
-from .engram import default_token_map
-from .mhc import hc_pre
-from .norm import RMSNorm
-from .numerics import up
+from flashtier.engine.model.block import Block
+from flashtier.engine.model.config import ModelConfig
+from flashtier.engine.model.dspark import DSparkStage
+from flashtier.engine.model.engram import default_token_map
+from flashtier.engine.model.mhc import hc_pre
+from flashtier.engine.model.norm import RMSNorm
+from flashtier.engine.model.numerics import up
 
 
 class Transformer(nn.Module):
