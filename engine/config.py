@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+RESUME_POLICIES = ("replay", "exact-or-cold")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str | None = None  # a checkpoint directory; None: the preset with seeded random weights
@@ -17,10 +20,13 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_waiting: int = 1024  # queue bound (beyond it: QueueFullError -> HTTP 429)
     fingerprint: str | None = None  # prefix-cache namespace; default derived from the model config + formats
+    resume_policy: str = "replay"  # "replay" (the model's design) | "exact-or-cold": never an approximate window
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"EngineConfig.dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+        if self.resume_policy not in RESUME_POLICIES:
+            raise ValueError(f"EngineConfig.resume_policy must be one of {RESUME_POLICIES}, got {self.resume_policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -69,12 +69,17 @@ class Engine:
         num_blocks = self.kv_config.pool_blocks(self.layout.block_bytes, available)
         self.kvm = KVManager(spec, self.layout, num_blocks, enable_caching=self.kv_config.enable_prefix_caching)
         self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
+        # exact-or-cold never shares a namespace with servers that cache approximate (replayed) state
+        policy = "" if self.config.resume_policy == "replay" else f"|{self.config.resume_policy}"
         self.fingerprint = self.config.fingerprint or model_fingerprint(
-            model, self.layout.block_size, f"{self.config.dtype}|seed{self.config.weights_seed}|{self.config.model_dir}"
+            model, self.layout.block_size,
+            f"{self.config.dtype}|seed{self.config.weights_seed}|{self.config.model_dir}{policy}",
         )
+        allow_replay = self.config.resume_policy == "replay"
         self.scheduler = Scheduler(
             self.kvm, max_num_seqs=self.config.max_num_seqs, token_budget=self.config.max_num_batched_tokens,
-            tiers=TierClient(tiers, self.kvm) if tiers is not None else None,
+            tiers=TierClient(tiers, self.kvm, allow_replay=allow_replay) if tiers is not None else None,
+            allow_replay=allow_replay,
         )
         self.runner = ModelRunner(model)
         self.postprocessor = Postprocessor(self.scheduler, Sampler(eos_token_id=cfg.eos_token_id),

@@ -21,8 +21,8 @@ def build_output(req: Request) -> RequestOutput:
     cache = CacheUsage(
         cached_tokens=req.cached_tokens, hbm_tokens=req.hbm_tokens, ssd_tokens=req.ssd_tokens,
         snapshot_tokens=req.snapshot_tokens, replayed_tokens=req.replayed_tokens,
-        computed_tokens=req.computed_tokens, persisted_bytes=req.persisted_bytes,
+        computed_tokens=req.computed_tokens, persisted_bytes=req.persisted.value,
     )
     times = RequestTimes(req.arrival, req.first_scheduled, req.first_token, req.finished_at)
     return RequestOutput(req.request_id, len(req.prompt), tuple(choices), req.status is RequestStatus.FINISHED,
-                         cache, times)
+                         cache, times, req.resume)

@@ -41,7 +41,15 @@ class CacheUsage:
     snapshot_tokens: int = 0  # tokens covered by an exact snapshot resume
     replayed_tokens: int = 0  # encoder + decoder bounded replay tokens
     computed_tokens: int = 0  # prompt tokens run through the encoder
-    persisted_bytes: int = 0  # bytes this request wrote to the persistent tiers (SSD blocks + snapshots)
+    persisted_bytes: int = 0  # bytes of this request confirmed durable so far (fsynced SSD blocks, Redis snapshots)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeInfo:
+    """How the prompt's window state was made (provenance, DESIGN §5)."""
+
+    kind: str = "cold"  # "exact" (a snapshot or the full history) | "replay" (bounded replay) | "cold"
+    replay_from: int | None = None  # "replay": the position R the approximate window state starts from
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +68,7 @@ class RequestOutput:
     finished: bool
     cache: CacheUsage = field(default_factory=CacheUsage)
     times: RequestTimes | None = None
+    resume: ResumeInfo = field(default_factory=ResumeInfo)
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,12 @@ class PagedSequence:
     def window(self) -> int:
         return self.rings.window
 
+    @property
+    def replayed_from(self) -> int | None:
+        """Provenance of the window state: None when exact (computed from the full history), else the
+        position R of the encoder bounded replay it descends from (enc_start = R - window)."""
+        return self.enc_start + self.window if self.enc_start > 0 else None
+
     def replay_start(self, n: int | None = None) -> int:
         """First position of the decoder replay once ``n`` tokens are fed (default: those fed now)."""
         n = len(self.tokens) if n is None else n

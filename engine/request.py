@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from flashtier.engine.outputs import TokenLogprob
+from flashtier.engine.outputs import ResumeInfo, TokenLogprob
 from flashtier.engine.paged_kv import PagedSequence
 from flashtier.engine.request_state import RequestStatus
 from flashtier.engine.sampling_params import SamplingParams
@@ -30,6 +31,23 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # aborted by the caller, or no block for an n > 1 fork
+
+
+class DurableBytes:
+    """Bytes of a request made durable, added from the tier threads as writes complete (locked)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._value += n
+
+    @property
+    def value(self) -> int:
+        with self._lock:
+            return self._value
 
 
 @dataclass
@@ -69,12 +87,13 @@ class Request:
     hbm_tokens: int = 0
     ssd_tokens: int = 0
     snapshot_tokens: int = 0
-    persisted_bytes: int = 0  # SSD block images + snapshots written for this request
+    persisted: DurableBytes = field(default_factory=DurableBytes)  # fsynced SSD blocks + Redis snapshots
     hashes: list[BlockHash] = field(default_factory=list)  # the prompt's full-block hashes (tier lookups)
     hbm_blocks: int = 0  # HBM hits pinned while LOADING
     lookup: concurrent.futures.Future[TierLookup] | None = None  # the pending tier lookup
     replayed_tokens: int = 0
     computed_tokens: int = 0
+    resume: ResumeInfo = field(default_factory=ResumeInfo)  # set when the request enters PREFILL
     first_scheduled: float | None = None
     first_token: float | None = None
     finished_at: float | None = None

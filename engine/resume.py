@@ -81,9 +81,10 @@ class ResumeResult:
 
 def install_resume(
     kvm: KVManager, seq: Sequence, prompt: list[int], hashes: list[BlockHash], plan: ResumePlan,
-    fresh: list[KVBlock],
+    fresh: list[KVBlock], *, allow_replay: bool = True,
 ) -> ResumeResult:
     """Install ``plan`` into ``seq`` (its table holds the pinned HBM hits) using ``fresh`` blocks.
+    Without ``allow_replay`` (policy exact-or-cold) a hit with no exact snapshot is a cold start.
 
     Mutates: the pool (loads, registrations, releases), ``seq.kv`` and ``seq.hashes``. For REPLAY the
     caller still rewinds the sequence (``PagedSequence.rewind``). Failure: a snapshot that does not
@@ -95,7 +96,7 @@ def install_resume(
     for j, (block_id, image) in enumerate(zip(loaded, plan.ssd_images)):
         kvm.load_block(block_id, image, hashes[plan.hbm_blocks + j])
     if plan.point is None:
-        return _replay_or_cold(kvm, seq, hashes, hbm_ids + loaded, plan, invalid=False)
+        return _replay_or_cold(kvm, seq, hashes, hbm_ids + loaded, plan, invalid=False, allow_replay=allow_replay)
     keep = hbm_ids[: plan.keep_hbm]
     kvm.release(hbm_ids[plan.keep_hbm :])
     try:
@@ -105,7 +106,7 @@ def install_resume(
         log.warning("a snapshot failed validation (%s); falling back to bounded replay", exc)
         if plan.tail:
             kvm.release([fresh[-1].block_id])
-        return _replay_or_cold(kvm, seq, hashes, keep + loaded, plan, invalid=True)
+        return _replay_or_cold(kvm, seq, hashes, keep + loaded, plan, invalid=True, allow_replay=allow_replay)
     b = plan.point // bs
     table = keep + loaded + ([fresh[-1].block_id] if plan.tail else [])
     seq.kv.table.replace(table)
@@ -118,14 +119,16 @@ def install_resume(
 
 
 def _replay_or_cold(
-    kvm: KVManager, seq: Sequence, hashes: list[BlockHash], table: list[int], plan: ResumePlan, *, invalid: bool
+    kvm: KVManager, seq: Sequence, hashes: list[BlockHash], table: list[int], plan: ResumePlan, *, invalid: bool,
+    allow_replay: bool,
 ) -> ResumeResult:
-    """Without a snapshot: bounded replay from the block-aligned hit, or a cold start below the window."""
-    bs = kvm.block_size
+    """Without a snapshot: bounded replay from the block-aligned hit, or a cold start (below the window,
+    or a replay the policy does not allow: replaying from exactly R = window is exact, so it stays)."""
+    bs, w = kvm.block_size, kvm.spec.window
     n_blocks = len(table)
     seq.kv.table.replace(table)
     loaded = len(plan.ssd_images)
-    if n_blocks * bs < kvm.spec.window:
+    if n_blocks * bs < w or (not allow_replay and n_blocks * bs > w):
         kvm.free(seq.kv)
         seq.hashes = []
         return ResumeResult(ResumeKind.COLD, 0, 0, 0, 0, loaded, invalid)

@@ -29,6 +29,7 @@ import torch
 from flashtier.engine.fork import fork
 from flashtier.engine.kv_manager import KVManager
 from flashtier.engine.preemption import blocks_to_swap_in, swap_in, swap_out
+from flashtier.engine.outputs import ResumeInfo
 from flashtier.engine.request import FinishReason, Request, Sequence
 from flashtier.engine.request_state import RUNNING, RequestStatus, transition
 from flashtier.engine.resume import ResumeKind, install_resume, plan_resume
@@ -49,9 +50,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kvm: KVManager, *, max_num_seqs: int, token_budget: int, tiers: TierClient | None = None):
+    def __init__(self, kvm: KVManager, *, max_num_seqs: int, token_budget: int, tiers: TierClient | None = None,
+                 allow_replay: bool = True):
+        """``allow_replay`` False (resume policy exact-or-cold): a cached prefix without an exact
+        snapshot is recomputed rather than resumed by an approximate bounded replay."""
         self.kvm = kvm
         self.tiers = tiers
+        self.allow_replay = allow_replay
         self.window = kvm.spec.window
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -159,13 +164,25 @@ class Scheduler:
             req.lookup = self.tiers.start_lookup(req)
             transition(req, S.LOADING)
             return
-        k = len(matched) if len(matched) * bs >= self.window else 0
+        r = len(matched) * bs
+        k = len(matched) if r == self.window or (r > self.window and self.allow_replay) else 0
         self.kvm.pin(matched[:k])
         seq.kv.table.replace(matched[:k])
         seq.hashes = list(hashes[:k])
         if k:
             self._start_replay(req, seq, k * bs)
             req.hbm_tokens = k * bs
+        self._enter_prefill(req)
+
+    def _enter_prefill(self, req: Request) -> None:
+        """-> PREFILL, recording the window state's provenance for the response."""
+        kv = req.seqs[0].kv
+        if not req.cached_tokens:
+            req.resume = ResumeInfo("cold")
+        elif kv.replayed_from is None:
+            req.resume = ResumeInfo("exact")
+        else:
+            req.resume = ResumeInfo("replay", kv.replayed_from)
         transition(req, S.PREFILL)
 
     def _start_replay(self, req: Request, seq: Sequence, r: int) -> None:
@@ -183,7 +200,7 @@ class Scheduler:
         if fresh is None:
             return False
         seq = req.seqs[0]
-        res = install_resume(self.kvm, seq, req.prompt, req.hashes, plan, fresh)
+        res = install_resume(self.kvm, seq, req.prompt, req.hashes, plan, fresh, allow_replay=self.allow_replay)
         self.tiers.count_resume(plan, res)
         req.lookup = None
         if res.kind is ResumeKind.EXACT:
@@ -193,7 +210,7 @@ class Scheduler:
         elif res.kind is ResumeKind.REPLAY:
             self._start_replay(req, seq, res.cached_tokens)
         req.hbm_tokens, req.ssd_tokens = res.hbm_tokens, res.ssd_tokens
-        transition(req, S.PREFILL)
+        self._enter_prefill(req)
         return True
 
     def _swap_in(self, req: Request) -> bool:

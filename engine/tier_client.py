@@ -13,31 +13,35 @@ from flashtier.engine.request import Request, Sequence
 from flashtier.engine.resume import ResumePlan, ResumeResult
 from flashtier.engine.snapshot_codec import encode_snapshot
 from flashtier.engine.tiers import LookupQuery, SnapshotOutcome, TierLookup, TierManager
+from flashtier.kvstore.block_hash import replayed_namespace
 from flashtier.kvstore.snapshot import SnapshotKey
 
 
 class TierClient:
-    def __init__(self, tiers: TierManager, kvm: KVManager):
+    def __init__(self, tiers: TierManager, kvm: KVManager, *, allow_replay: bool = True):
+        """``allow_replay`` (resume policy "replay"): lookups may resume replayed window states."""
         self.tiers = tiers
         self.kvm = kvm
+        self.allow_replay = allow_replay
 
     def start_lookup(self, req: Request) -> concurrent.futures.Future[TierLookup]:
         """Ask the tiers for SSD blocks after the request's ``hbm_blocks`` HBM hits and a snapshot."""
         q = LookupQuery(req.namespace, req.prompt, req.hashes, req.hbm_blocks, self.kvm.block_size,
-                        self.kvm.spec.window)
+                        self.kvm.spec.window, replayed_namespace(req.namespace) if self.allow_replay else None)
         return self.tiers.lookup(q)
 
     def write_through(self, req: Request, blocks: list[CachedBlock]) -> None:
-        """Queue the images of newly full blocks for the SSD tier. Mutates ``req.persisted_bytes``."""
+        """Queue the images of newly full blocks for the SSD tier; ``req.persisted`` grows as they
+        become durable."""
         for blk in blocks:
-            self.tiers.write_block(blk.block_hash, self.kvm.image(blk.block_id))
-            req.persisted_bytes += self.kvm.layout.block_bytes
+            self.tiers.write_block(blk.block_hash, self.kvm.image(blk.block_id), req.persisted.add)
 
     def snapshot(self, req: Request, seq: Sequence) -> None:
         """Put an encoder snapshot at P = len(tokens fed) into the snapshot pool (fire and forget).
 
-        Needs every full block below P hashed (``KVManager.cache_full_blocks`` ran). Mutates
-        ``req.persisted_bytes``.
+        Needs every full block below P hashed (``KVManager.cache_full_blocks`` ran). A replayed
+        (approximate) window state goes under ``replayed_namespace``: it never replaces, and is never
+        found as, an exact snapshot of the same point.
         """
         kv = seq.kv
         if not kv.tokens or not len(kv.table):
@@ -50,8 +54,9 @@ class TierClient:
         tail = self.kvm.image(kv.table.ids[b]) if p % bs else b""
         spec = self.kvm.spec
         payload = encode_snapshot(kv, spec.n_encoder_layers, tail, spec.partial_order)
-        self.tiers.put_snapshot(SnapshotKey.for_tail(req.namespace, parent, kv.tokens[b * bs : p]), payload)
-        req.persisted_bytes += len(payload)
+        namespace = req.namespace if kv.replayed_from is None else replayed_namespace(req.namespace)
+        key = SnapshotKey.for_tail(namespace, parent, kv.tokens[b * bs : p])
+        self.tiers.put_snapshot(key, payload, req.persisted.add)
 
     def count_resume(self, plan: ResumePlan, result: ResumeResult) -> None:
         stats = self.tiers.stats

@@ -15,8 +15,10 @@ import concurrent.futures
 import enum
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flashtier.engine.snapshot_search import SnapshotQuery, find_snapshot
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.redis_snapshot_pool import snapshot_pool_from_config
@@ -26,9 +28,6 @@ from flashtier.kvstore.ssd_writer import SSDWriter
 
 log = logging.getLogger("flashtier.engine.tiers")
 
-SNAPSHOT_SEARCH_BLOCKS = 64  # how many block boundaries below the best candidate a lookup probes
-
-
 @dataclass(frozen=True)
 class LookupQuery:
     namespace: BlockHash
@@ -37,6 +36,7 @@ class LookupQuery:
     hbm_blocks: int  # leading blocks already found in the runtime pool
     block_size: int
     window: int
+    replayed_namespace: BlockHash | None = None  # also resume replayed states (resume policy "replay")
 
 
 class SnapshotOutcome(enum.Enum):
@@ -85,34 +85,39 @@ class TierManager:
             self.ssd = SSDStore(config, **kw)
             self.writer = SSDWriter(self.ssd)
         self.snapshots = snapshot_pool_from_config(config)
+        self.snapshots_survive_restart = config.redis_url is not None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flashtier-tier-io", daemon=True)
         self._thread.start()
         self._pending: set[concurrent.futures.Future] = set()
 
     # ---- writes (fire and forget) ----------------------------------------------------------------
-    def write_block(self, key: BlockHash, image: bytes) -> None:
-        """Write-through of a completed full block; the result is only counted."""
+    def write_block(self, key: BlockHash, image: bytes, on_durable: Callable[[int], None] | None = None) -> None:
+        """Write-through of a completed full block. ``on_durable(nbytes)`` runs (on the writer thread)
+        once the record is fsynced; a refused or failed write is only counted."""
         if self.writer is None or key in self.ssd:
             return  # already on disk: a hit older than the refresh age re-appends it there
         fut = self.writer.submit(key, image)
-        fut.add_done_callback(lambda f, n=len(image): self._count_write(f, n))
+        fut.add_done_callback(lambda f, n=len(image): self._count_write(f, n, on_durable))
 
-    def _count_write(self, fut: concurrent.futures.Future, nbytes: int) -> None:
-        try:
-            ok = fut.result().ok
-        except Exception:  # noqa: BLE001 - a failed write is a future miss
-            ok = False
-        if ok:
+    def _count_write(self, fut: concurrent.futures.Future, nbytes: int,
+                     on_durable: Callable[[int], None] | None) -> None:
+        if _result_ok(fut):
             self.stats.ssd_blocks_written += 1
             self.stats.ssd_bytes_written += nbytes
+            if on_durable is not None:
+                on_durable(nbytes)
         else:
             self.stats.ssd_write_refused += 1
 
-    def put_snapshot(self, key: SnapshotKey, payload: bytes) -> None:
+    def put_snapshot(self, key: SnapshotKey, payload: bytes, on_stored: Callable[[int], None] | None = None) -> None:
+        """Fire-and-forget put. ``on_stored(nbytes)`` runs (on the I/O thread) once an out-of-process
+        pool (Redis) confirmed it; the embedded pool lives and dies with this process, so never."""
         self.stats.snapshot_puts += 1
         self.stats.snapshot_bytes_written += len(payload)
-        self._submit(self.snapshots.put(key, payload))
+        fut = self._submit(self.snapshots.put(key, payload))
+        if on_stored is not None and self.snapshots_survive_restart:
+            fut.add_done_callback(lambda f, n=len(payload): _result_ok(f) and on_stored(n))
 
     def _submit(self, coro) -> concurrent.futures.Future:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -141,25 +146,11 @@ class TierManager:
                 available += 1
         # the longest snapshot point P <= n - window whose full blocks are all available
         best_b = min(available, max(0, n - q.window) // bs)
-        point = payload = None
-        result = SnapshotOutcome.NONE
-        for b in range(best_b, max(-1, best_b - SNAPSHOT_SEARCH_BLOCKS), -1):
-            parent = q.hashes[b - 1] if b else q.namespace
-            points = await self.snapshots.points(q.namespace, parent)
-            for tail_len in sorted(points, reverse=True):
-                p = b * bs + tail_len
-                if tail_len >= bs or p > n - q.window or p < 1:
-                    continue
-                key = SnapshotKey.for_tail(q.namespace, parent, q.prompt[b * bs : p])
-                if key.tail_hash.hex() != points[tail_len]:
-                    continue
-                data = await self.snapshots.get(key)
-                if data is not None:
-                    point, payload, result = p, data, SnapshotOutcome.HIT
-                    break
-                result = SnapshotOutcome.MISS
-            if point is not None:
-                break
+        query = SnapshotQuery(q.namespace, q.replayed_namespace, q.prompt, q.hashes, bs, q.window)
+        found = await find_snapshot(self.snapshots, query, best_b)
+        point, payload = found.point, found.payload
+        result = (SnapshotOutcome.HIT if point is not None else
+                  SnapshotOutcome.MISS if found.listed else SnapshotOutcome.NONE)
         need = available if point is None else point // bs
         images: list[bytes] = []
         if self.ssd is not None and need > q.hbm_blocks:
@@ -188,3 +179,12 @@ class TierManager:
             self.writer.close(timeout=10)
         if self.ssd is not None:
             self.ssd.close()
+
+
+def _result_ok(fut: concurrent.futures.Future) -> bool:
+    """A write's or put's future succeeded: ``PutResult.ok`` (SSD) or True (snapshot pool)."""
+    try:
+        res = fut.result()
+    except Exception:  # noqa: BLE001 - a failed write is a future miss
+        return False
+    return res if isinstance(res, bool) else res.ok

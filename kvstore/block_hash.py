@@ -85,6 +85,15 @@ def namespace_hash(fingerprint: str, cache_salt: str | None = None) -> BlockHash
     return BlockHash(xxhash.xxh3_128_digest(_NS_TAG + _len_prefixed(fingerprint) + salt))
 
 
+def replayed_namespace(namespace: BlockHash) -> BlockHash:
+    """Where snapshots of *replayed* (approximate) window states of ``namespace`` live.
+
+    A state computed by bounded replay must never be stored where an exact one is, nor looked up as
+    exact: its snapshots use this derived root in their keys, their blocks' chain stays the same.
+    """
+    return BlockHash(xxhash.xxh3_128_digest(_NS_TAG + b"replayed\x00" + namespace.digest))
+
+
 def _encode_tokens(token_ids: Sequence[int]) -> bytes:
     """int32 little-endian bytes of ``token_ids``; ValueError for ids outside int32."""
     try:

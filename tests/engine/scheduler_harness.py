@@ -87,11 +87,12 @@ class Harness:
     """Scheduler + TokenRunner + the real Postprocessor over a small pool."""
 
     def __init__(self, *, block_size: int = 4, num_blocks: int = 32, budget: int = 8, max_seqs: int = 8,
-                 tiers: bool = False):
+                 tiers: bool = False, allow_replay: bool = True):
         self.spec = tiny_spec()
         self.kvm = KVManager(self.spec, BlockLayout(self.spec.geometry, block_size), num_blocks)
         self.tiers = ManualTiers(self.kvm) if tiers else None
-        self.scheduler = Scheduler(self.kvm, max_num_seqs=max_seqs, token_budget=budget, tiers=self.tiers)
+        self.scheduler = Scheduler(self.kvm, max_num_seqs=max_seqs, token_budget=budget, tiers=self.tiers,
+                                   allow_replay=allow_replay)
         self.runner = TokenRunner(self.spec)
         self.post = Postprocessor(self.scheduler, Sampler(eos_token_id=EOS), eos_token_id=EOS, max_model_len=4096)
 

@@ -32,7 +32,7 @@ def test_chunked_prefill_then_replay_then_decode():
     assert work(s5) == ([("a", 1)], [("a", "decode")]) and s5.num_tokens == 1 and table.ids == [1, 2, 3, 4, 5, 6]
     h.step()
     assert a.seqs[0].output == [NEXT_TOKEN] * 3 and a.seqs[0].finish_reason.value == "length"
-    assert a.status_history == [S.PREFILL, S.REPLAY, S.DECODE, S.FINISHED]
+    assert a.status_history == [S.PREFILL, S.REPLAY, S.DECODE, S.FINISHED] and a.resume.kind == "cold"
     assert h.kvm.pool.num_used == 0 and h.kvm.pool.num_cached == 5  # 22 tokens fed: 5 full blocks
     assert not h.scheduler.requests
 
@@ -47,6 +47,7 @@ def test_prefix_hit_replays_the_window_and_allocates_only_the_suffix():
     kv = b.seqs[0].kv
     # 5 cached blocks (20 tokens >= window 16): re-encode [4, 20) with the window truncated at 4
     assert (b.cached_tokens, b.hbm_tokens, b.prefilled, kv.enc_start, kv.write_from) == (20, 20, 12, 4, 20)
+    assert (b.resume.kind, b.resume.replay_from, kv.replayed_from) == ("replay", 20, 20)
     assert work(s1) == ([("b", 8)], []) and kv.table.ids == [1, 2, 3, 4, 5]
     s2 = h.step()
     assert work(s2) == ([("b", 8)], []) and kv.table.ids == [1, 2, 3, 4, 5]
@@ -150,3 +151,14 @@ def test_transitions_outside_the_table_raise():
     with pytest.raises(InvalidTransition, match="preempted in prefill, cannot resume in decode"):
         transition(req, S.DECODE)
     assert req.status is S.PREEMPTED and req.status_history == [S.PREFILL, S.PREEMPTED]
+
+
+def test_exact_or_cold_recomputes_a_prefix_hit_instead_of_replaying():
+    h = Harness(budget=8, allow_replay=False)
+    h.add("a", prompt_of(20), max_tokens=3)
+    while h.scheduler.requests:
+        h.step()
+    b = h.add("b", prompt_of(26), max_tokens=1)
+    s1 = h.step()
+    assert (b.cached_tokens, b.prefilled, b.resume.kind) == (0, 8, "cold") and work(s1) == ([("b", 8)], [])
+    assert b.seqs[0].kv.table.ids == [7, 8]  # the cached blocks 1..5 were not pinned

@@ -54,6 +54,7 @@ def test_ssd_blocks_resume_by_bounded_replay():
     assert kv.table.ids == [1, 2, 3, 4, 5] and [h.kvm.image(i) for i in kv.table.ids] == list(images)
     assert (req.cached_tokens, req.ssd_tokens, req.hbm_tokens, kv.enc_start, kv.write_from) == (20, 20, 0, 4, 20)
     assert work(s) == ([("l", 8)], []) and req.prefilled == 12 and kv.tokens[:4] == prompt_of(4)
+    assert (req.resume.kind, req.resume.replay_from) == ("replay", 20)
     assert [h.kvm.pool.blocks[i].block_hash for i in kv.table.ids] == req.hashes[:5]
 
 
@@ -74,7 +75,7 @@ def test_hbm_hits_plus_snapshot_resume_exactly_at_the_point():
     assert kv.tokens[:22] == prompt[:22] and (kv.enc_start, kv.write_from) == (0, 22)
     assert [st.count for st in kv.stores.values()] == [11, 11, 11, 22]  # 22 // ratio (2, 2, 2, 1)
     assert work(s) == ([("s", 8)], []) and req.prefilled == 30
-    assert h.tiers.resumes[-1].kind is ResumeKind.EXACT
+    assert h.tiers.resumes[-1].kind is ResumeKind.EXACT and req.resume.kind == "exact"
 
 
 def test_a_snapshot_that_does_not_validate_falls_back_and_is_reported():
@@ -101,3 +102,27 @@ def test_a_short_ssd_hit_without_snapshot_is_released_for_a_cold_start():
     s = h.step()
     assert h.tiers.resumes[-1].kind is ResumeKind.COLD and req.cached_tokens == 0
     assert work(s) == ([("c", 8)], []) and req.seqs[0].kv.table.ids == [4, 5]  # loaded blocks stay cached
+
+
+def test_a_replayed_snapshot_resumes_as_what_it_is():
+    """A payload whose state descends from a bounded replay (enc_start > 0) is reported as a replay from R."""
+    h = Harness(budget=8, tiers=True)
+    prompt = prompt_of(40)
+    kv = h.kvm.new_kv()
+    kv.tokens, kv.enc_start, kv.write_from = prompt[:22], 4, 20  # replayed from R = 20
+    payload = encode_snapshot(kv, h.spec.n_encoder_layers, bytes(h.kvm.layout.block_bytes), h.spec.partial_order)
+    req = h.add("s", prompt, max_tokens=1)
+    h.step()
+    settle(h, "s", TierLookup(_images(h, 5), 22, payload, SnapshotOutcome.HIT))
+    h.step()
+    assert req.snapshot_tokens == 2 and (req.resume.kind, req.resume.replay_from) == ("replay", 20)
+
+
+def test_exact_or_cold_turns_an_ssd_hit_without_snapshot_into_a_cold_start():
+    h = Harness(budget=8, tiers=True, allow_replay=False)
+    req = h.add("c", prompt_of(26), max_tokens=1)
+    h.step()
+    settle(h, "c", TierLookup(_images(h, 5), outcome=SnapshotOutcome.NONE))  # 20 tokens, no snapshot
+    h.step()
+    assert h.tiers.resumes[-1].kind is ResumeKind.COLD and (req.cached_tokens, req.resume.kind) == (0, "cold")
+    assert req.seqs[0].kv.table.ids == [6, 7]  # the loaded blocks were released (and stay cached)

@@ -134,3 +134,26 @@ def test_stopped_redis_is_a_miss_not_a_failure(tiny64, tmp_path):
     stats = eng.stats().tiers
     assert stats["snapshot_redis_errors"] > 0
     eng.close()
+
+
+def test_a_repeated_prompt_does_not_overwrite_the_exact_snapshot(tiny64, tmp_path):
+    """A, A again, then B = A + reply + new turn: B equals a cold run of B.
+
+    The repeated A finds its prefix without a usable snapshot (a prompt-end snapshot lies less than a
+    window before its own end), replays from a block boundary and ends with an approximate window
+    state; that state must not replace the exact snapshot the first A stored at the same point.
+    """
+    eng = _engine(tiny64, _kv(tmp_path))
+    a = random_prompt(134, seed=60)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # both snapshots in block 8
+    first, _ = _turn(eng, "a1", a, params)
+    _flush(eng)
+    again, cache = _turn(eng, "a2", a, params)
+    assert cache.replayed_tokens > 0 and cache.snapshot_tokens == 0  # the repeat really replayed
+    assert again != first  # the approximate window changed the answer: its state differs
+    _flush(eng)
+    b = a + first + random_prompt(30, seed=61)
+    got, cache = _turn(eng, "b", b)
+    assert got == _cold(tiny64, b)
+    assert cache.snapshot_tokens == 134 + 8 - 1 - 128  # the first A's exact generation-end snapshot
+    eng.close()

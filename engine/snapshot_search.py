@@ -1,0 +1,67 @@
+"""Find the best snapshot for a prompt: the longest point P <= n - window, at or below ``best_b`` full
+blocks, whose key is in the pool — exact snapshots first, then (if allowed) replayed ones.
+
+    block boundaries   best_b, best_b - 1, ... (at most SNAPSHOT_SEARCH_BLOCKS of them)
+    at boundary b      directory (namespace, hash of block b - 1) -> {tail length: tail hash}
+    a point            P = b * bs + tail length, usable if its tail hash equals the prompt's tokens
+
+Replayed (approximate) states are stored under ``replayed_namespace`` (never where an exact one is),
+so a hit there resumes an approximate state and is reported as such (its payload carries enc_start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashtier.kvstore.block_hash import BlockHash
+from flashtier.kvstore.snapshot import SnapshotKey
+from flashtier.kvstore.snapshot_pool import SnapshotPool
+
+SNAPSHOT_SEARCH_BLOCKS = 64  # how many block boundaries below the best candidate a lookup probes
+
+
+@dataclass(frozen=True)
+class SnapshotQuery:
+    namespace: BlockHash  # root of the exact chain (the blocks' hashes hang from it)
+    replayed_namespace: BlockHash | None  # where replayed states live; None: exact snapshots only
+    prompt: list[int]
+    hashes: list[BlockHash]  # chained hashes of the prompt's full blocks
+    block_size: int
+    window: int
+
+
+@dataclass(frozen=True)
+class SnapshotFound:
+    point: int | None  # None: nothing usable
+    payload: bytes | None
+    listed: bool  # some candidate point was listed (a miss rather than "none")
+
+
+async def find_snapshot(pool: SnapshotPool, q: SnapshotQuery, best_b: int) -> SnapshotFound:
+    """Exact snapshots first; replayed ones only when no exact one is there. Never raises for the pool
+    (a failing pool answers empty directories and misses)."""
+    found = await _search(pool, q, q.namespace, best_b)
+    if found.point is None and q.replayed_namespace is not None:
+        replayed = await _search(pool, q, q.replayed_namespace, best_b)
+        return SnapshotFound(replayed.point, replayed.payload, found.listed or replayed.listed)
+    return found
+
+
+async def _search(pool: SnapshotPool, q: SnapshotQuery, namespace: BlockHash, best_b: int) -> SnapshotFound:
+    bs, n = q.block_size, len(q.prompt)
+    listed = False
+    for b in range(best_b, max(-1, best_b - SNAPSHOT_SEARCH_BLOCKS), -1):
+        parent = q.hashes[b - 1] if b else q.namespace
+        points = await pool.points(namespace, parent)
+        for tail_len in sorted(points, reverse=True):
+            p = b * bs + tail_len
+            if tail_len >= bs or p > n - q.window or p < 1:
+                continue
+            key = SnapshotKey.for_tail(namespace, parent, q.prompt[b * bs : p])
+            if key.tail_hash.hex() != points[tail_len]:
+                continue
+            listed = True
+            data = await pool.get(key)
+            if data is not None:
+                return SnapshotFound(p, data, True)
+    return SnapshotFound(None, None, listed)

@@ -1,0 +1,76 @@
+"""Provenance of snapshots: a replayed (approximate) window state is stored under the replayed
+namespace, never where an exact one is; lookups prefer exact snapshots and only take a replayed one
+when allowed and no exact one is there. Real embedded snapshot pool; no model."""
+
+import asyncio
+from dataclasses import dataclass, field
+
+from flashtier.engine.snapshot_search import SnapshotQuery, find_snapshot
+from flashtier.engine.tier_client import TierClient
+from flashtier.kvstore.block_hash import hash_blocks, replayed_namespace
+from flashtier.kvstore.snapshot import SnapshotKey
+from flashtier.kvstore.snapshot_pool import EmbeddedSnapshotPool
+
+from .scheduler_harness import NAMESPACE, Harness, prompt_of
+
+PROMPT = prompt_of(60)
+HASHES = hash_blocks(NAMESPACE, PROMPT, 4)
+
+
+@dataclass
+class RecordingTiers:
+    """Stands in for TierManager: records the snapshot keys put."""
+
+    keys: list[SnapshotKey] = field(default_factory=list)
+
+    def put_snapshot(self, key, payload, on_stored=None):
+        self.keys.append(key)
+
+
+def _seq_at(h: Harness, point: int, enc_start: int):
+    req = h.add("r", PROMPT, max_tokens=1)
+    seq = h.scheduler.new_sequence(req, 0)
+    assert h.kvm.ensure_blocks(seq.kv, point)
+    seq.kv.tokens, seq.kv.enc_start, seq.kv.write_from = PROMPT[:point], enc_start, point
+    seq.hashes = HASHES[: point // 4]
+    return req, seq
+
+
+def test_replayed_states_go_under_the_replayed_namespace():
+    h = Harness()
+    tiers = RecordingTiers()
+    client = TierClient(tiers, h.kvm)
+    req, exact = _seq_at(h, 22, enc_start=0)
+    client.snapshot(req, exact)
+    exact.kv.enc_start = 4  # the same point, replayed from R = 20
+    client.snapshot(req, exact)
+    parent = HASHES[4]
+    assert tiers.keys == [SnapshotKey.for_tail(NAMESPACE, parent, PROMPT[20:22]),
+                          SnapshotKey.for_tail(replayed_namespace(NAMESPACE), parent, PROMPT[20:22])]
+    assert tiers.keys[0] != tiers.keys[1]
+
+
+def _pool_with(points: dict[str, list[int]]) -> EmbeddedSnapshotPool:
+    """Snapshots whose payload names their namespace and point."""
+    pool = EmbeddedSnapshotPool(ttl_s=60, budget_bytes=1 << 20)
+    for which, ps in points.items():
+        ns = NAMESPACE if which == "exact" else replayed_namespace(NAMESPACE)
+        for p in ps:
+            b = p // 4
+            key = SnapshotKey.for_tail(ns, HASHES[b - 1] if b else NAMESPACE, PROMPT[b * 4 : p])
+            assert asyncio.run(pool.put(key, f"{which}@{p}".encode()))
+    return pool
+
+
+def _find(pool, allow_replayed: bool):
+    q = SnapshotQuery(NAMESPACE, replayed_namespace(NAMESPACE) if allow_replayed else None, PROMPT, HASHES, 4, 16)
+    found = asyncio.run(find_snapshot(pool, q, best_b=(60 - 16) // 4))
+    return found.payload.decode() if found.payload else None
+
+
+def test_lookups_prefer_exact_snapshots_and_take_replayed_ones_only_when_allowed():
+    assert _find(_pool_with({"exact": [22], "replayed": [41]}), allow_replayed=True) == "exact@22"
+    assert _find(_pool_with({"replayed": [41, 30]}), allow_replayed=True) == "replayed@41"
+    assert _find(_pool_with({"replayed": [41]}), allow_replayed=False) is None
+    assert _find(_pool_with({"exact": [45]}), allow_replayed=True) is None  # beyond n - window = 44
+    assert _find(_pool_with({"exact": [44, 9]}), allow_replayed=False) == "exact@44"
