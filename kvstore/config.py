@@ -17,6 +17,26 @@ from dataclasses import dataclass
 
 GiB = 1 << 30
 MiB = 1 << 20
+MAX_SSD_SEGMENT_BYTES = 256 * MiB  # the default segment; small budgets get smaller ones (ssd_segment_bytes_for)
+MIN_SSD_SEGMENT_BYTES = 1 * MiB
+MIN_SSD_BUDGET_BYTES = MIN_SSD_SEGMENT_BYTES  # a budget must hold one segment
+SSD_SEGMENTS_PER_BUDGET = 8  # a small budget is cut into about this many segments
+
+
+def ssd_segment_bytes_for(budget_bytes: int) -> int:
+    """The segment size for an SSD budget: budget / 8, within [1 MiB, 256 MiB] (and never above the budget).
+
+    Small budgets get small segments, so compaction still has several segments to work with.
+    """
+    share = max(MIN_SSD_SEGMENT_BYTES, budget_bytes // SSD_SEGMENTS_PER_BUDGET)
+    return min(MAX_SSD_SEGMENT_BYTES, budget_bytes, share)
+
+
+def ssd_budget_bytes_for(record_bytes: int) -> int:
+    """The smallest budget whose segments (``ssd_segment_bytes_for``) hold a record of ``record_bytes``."""
+    if record_bytes <= MIN_SSD_SEGMENT_BYTES:
+        return MIN_SSD_BUDGET_BYTES
+    return record_bytes * SSD_SEGMENTS_PER_BUDGET
 
 
 def _positive(name: str, value: float) -> None:
@@ -37,7 +57,7 @@ class KVStoreConfig:
     # SSD tier (global KV, write-through, log-structured segments)
     ssd_dir: str | None = None  # None disables the SSD tier
     ssd_budget_bytes: int = 512 * GiB  # disk budget; full of young records => admission refusals
-    ssd_segment_bytes: int = 256 * MiB  # one append-only segment file
+    ssd_segment_bytes: int = MAX_SSD_SEGMENT_BYTES  # one append-only segment file (ssd_segment_bytes_for)
     ssd_lifetime_s: float = 72 * 3600.0  # guaranteed lifetime from the last write
     ssd_refresh_age_s: float = 24 * 3600.0  # a hit on an older record re-appends it
     # snapshot pool (encoder SWA rings + tail), Redis or the embedded in-process pool
@@ -66,7 +86,8 @@ class KVStoreConfig:
         if self.ssd_segment_bytes > self.ssd_budget_bytes:
             raise ValueError(
                 f"KVStoreConfig.ssd_segment_bytes ({self.ssd_segment_bytes}) exceeds ssd_budget_bytes "
-                f"({self.ssd_budget_bytes}); raise the budget or shrink the segments"
+                f"({self.ssd_budget_bytes}): a segment must fit the budget (ssd_segment_bytes_for(budget) gives one "
+                f"that does; the smallest budget is {MIN_SSD_BUDGET_BYTES} B)"
             )
         if self.ssd_refresh_age_s >= self.ssd_lifetime_s:
             raise ValueError(

@@ -167,7 +167,9 @@ def _openapi(app: FastAPI, settings: ServerSettings) -> dict[str, Any]:
                 responses["503"] = _error_response("Engine not ready")
             if path in generating:
                 responses["429"] = _error_response("Request queue full; retry later")
-                responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+                # one SSE event per item: its data field carries a JSON chunk (or [DONE])
+                sse_event = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+                responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": sse_event}
             responses["500"] = _error_response("Internal error (no details are returned)")
     app.openapi_schema = schema
     return schema

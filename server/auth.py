@@ -3,6 +3,9 @@
 Only paths under /v1 are guarded (as vLLM does): /health and /metrics stay open for load balancers
 and Prometheus, as do /tokenize, /detokenize and the OpenAPI document. With no key configured every
 path is open. Keys are compared in constant time; the scheme name is case-insensitive.
+
+The key a request presented is left in its ASGI scope (``authenticated_key(scope)``), so that
+``--cache-isolation per-key`` can make each key its own cache tenant (state.py).
 """
 
 from __future__ import annotations
@@ -16,10 +19,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from flashtier.server.errors import error_body
 
 PROTECTED_PREFIX = "/v1"
+SCOPE_KEY = "flashtier.api_key"  # where the middleware leaves the key a request was let in with
 
 
 def is_protected(path: str) -> bool:
     return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+
+
+def authenticated_key(scope: Scope) -> str | None:
+    """The configured API key this request was let in with; None when no key is configured (or the path
+    is not guarded)."""
+    return scope.get(SCOPE_KEY)
 
 
 class APIKeyMiddleware:
@@ -27,24 +37,29 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
-        self._keys = tuple(k.encode("utf-8") for k in api_keys)
+        self._keys = tuple(dict.fromkeys(api_keys))
+        self._encoded = tuple(k.encode("utf-8") for k in self._keys)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _authorized(self, scope: Scope) -> str | None:
+        """The configured key the request's bearer token equals, else None."""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").strip().partition(" ")
                 if scheme.lower() != "bearer":
-                    return False
+                    return None
                 supplied = token.strip().encode("latin-1")
                 # check every key, so timing does not tell which one nearly matched
-                return any([hmac.compare_digest(supplied, key) for key in self._keys])
-        return False
+                matches = [hmac.compare_digest(supplied, key) for key in self._encoded]
+                return next((k for k, ok in zip(self._keys, matches, strict=True) if ok), None)
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self._keys or not is_protected(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
-        if self._authorized(scope):
+        key = self._authorized(scope)
+        if key is not None:
+            scope[SCOPE_KEY] = key
             await self.app(scope, receive, send)
             return
         has_header = any(name == b"authorization" for name, _ in scope.get("headers", ()))

@@ -1,4 +1,10 @@
-"""The ``flashtier`` command: ``inspect``, ``generate`` and ``serve``."""
+"""The ``flashtier`` command: ``inspect``, ``generate`` and ``serve``.
+
+A bad command line or setting ends the command with one line on stderr, ``flashtier: error: ...``
+(for a setting: ``--flag VALUE: what is wrong; how to fix``), and exit status 2, never a traceback.
+``serve`` checks its settings (settings.py) and what they point at (settings_checks.py: the SSD
+directory, the model config, Redis) before it loads the model.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,11 @@ import functools
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
+
+PROG = "flashtier"
 
 if TYPE_CHECKING:
     from flashtier.engine.client import EngineClient
@@ -68,10 +76,13 @@ def _serve(args: argparse.Namespace, engine_factory: EngineClientFactory | None 
 
     from flashtier.server.app import create_app
     from flashtier.server.settings import DEMO_NOTE, build_settings
+    from flashtier.server.settings_checks import preflight
 
     settings = build_settings(args, os.environ)
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     logging.basicConfig(level=level, format="%(levelname)-9s %(name)s: %(message)s")
+    for warning in preflight(settings):  # SettingsError (a ValueError) ends main() with one line
+        logging.getLogger("flashtier.server.settings").warning("%s", warning)
     if settings.is_demo:
         print(f"note: {DEMO_NOTE}", file=sys.stderr)
     app = create_app(settings, engine_factory or _model_engine)
@@ -99,9 +110,17 @@ def _model_engine(s: ServerSettings) -> EngineClient:
     return build_async_engine(config, s.kvstore, model_token_map(tok, cfg), tiers=True)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, except that a usage error is one line, ``flashtier: error: --flag: message``, exit 2
+    (the full usage of ``serve`` is long; ``--help`` prints it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message.removeprefix('argument ')}\n")
+
+
 def build_parser(engine_factory: EngineClientFactory | None = None) -> argparse.ArgumentParser:
     """The command line; `engine_factory` replaces the engine ``serve`` builds (see ``main``)."""
-    p = argparse.ArgumentParser(prog="flashtier", description="DeepSeek-V4.1-Flash serving daemon")
+    p = OneLineParser(prog=PROG, description="DeepSeek-V4.1-Flash serving daemon")
     sub = p.add_subparsers(dest="command", required=True)
 
     ins = sub.add_parser("inspect", help="layer roles and KV byte accounting (no weights needed)")
@@ -138,8 +157,8 @@ def main(argv: list[str] | None = None, *, engine_factory: EngineClientFactory |
         parser.error("--max-tokens must be at least 1")
     try:
         return args.func(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # a bad setting (SettingsError) or argument: one line, no traceback
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -32,7 +32,8 @@ from flashtier.server.dsml_events import ContentDelta, Event, ReasoningDelta, To
 from flashtier.server.engine_stream import EngineStream
 from flashtier.server.errors import BadRequest
 from flashtier.server.generation import Generation, json_response, stream_response
-from flashtier.server.protocol import ChatCompletionRequest, ChatCompletionResponse
+from flashtier.server.protocol import ChatCompletionRequest
+from flashtier.server.protocol_responses import ChatCompletionResponse
 from flashtier.server.request_checks import check_common, resolve_max_tokens
 from flashtier.server.state import ServerState, build_sampling_params, chat_logprob_entry, get_state, stop_strings
 
@@ -75,7 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         )
         for i in range(body.n)
     ]
-    stream = EngineStream(engine, request_id, prompt.ids, params, body.cache_salt)
+    stream = EngineStream(engine, request_id, prompt.ids, params, state.cache_salt(request, body.cache_salt))
     gen = Generation(request_id, model, "chat.completion.chunk", [stream], choices, tracker)
     if body.stream:
         opts = body.stream_options

@@ -27,7 +27,8 @@ from flashtier.server.completion_choice import CompletionChoiceState
 from flashtier.server.engine_stream import EngineStream
 from flashtier.server.errors import BadRequest
 from flashtier.server.generation import Generation, json_response, stream_response
-from flashtier.server.protocol import CompletionRequest, CompletionResponse
+from flashtier.server.protocol import CompletionRequest
+from flashtier.server.protocol_responses import CompletionResponse
 from flashtier.server.request_checks import check_common, check_text, resolve_max_tokens
 from flashtier.server.state import THREAD_ENCODE_CHARS, ServerState, build_sampling_params, get_state, stop_strings
 
@@ -79,12 +80,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     request_id = f"cmpl-{uuid.uuid4().hex}"
     stops = stop_strings(body.stop)
     streams, echoes = [], []
+    salt = state.cache_salt(request, body.cache_salt)
     for i, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(prompt.ids), body.max_tokens, engine.max_model_len,
                                         prompt_param="prompt", tokens_param="max_tokens")
         params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        streams.append(EngineStream(engine, rid, prompt.ids, params, body.cache_salt))
+        streams.append(EngineStream(engine, rid, prompt.ids, params, salt))
         echoes.append((prompt.text or state.tokenizer.decode(prompt.ids)) if body.echo else "")
     choices = [
         CompletionChoiceState(

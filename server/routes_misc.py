@@ -14,14 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flashtier.server.chat_prompt import render_chat
 from flashtier.server.errors import BadRequest
-from flashtier.server.protocol import (
-    DetokenizeRequest,
+from flashtier.server.protocol import DetokenizeRequest, TokenizeRequest
+from flashtier.server.protocol_responses import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from flashtier.server.request_checks import check_text

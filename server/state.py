@@ -1,10 +1,21 @@
 """What the routes share: ``ServerState`` (settings, tokenizer, metrics, the engine client) and the
-mappings common to chat and completions (model name, stop strings, sampling parameters, usage,
-logprob entries). The request checks are in request_checks.py."""
+mappings common to chat and completions (model name, cache salt, stop strings, sampling parameters,
+usage, logprob entries). The request checks are in request_checks.py.
+
+Cache isolation (``--cache-isolation``): the engine puts a request's ``cache_salt`` into the namespace
+hash of every tier (HBM prefix cache, SSD, snapshots), so requests share cached KV only when their
+salts are equal. ``shared`` passes the client's ``cache_salt`` as it is. ``per-key`` passes
+``tenant_salt(api_key, cache_salt)``: ``sha256("flashtier/tenant/v1" NUL key)`` in hex, NUL, then the
+client's salt (or nothing), so a salt only separates requests within one key, and no salt a client
+sends can reach another key's entries (the hex part comes from the key the auth middleware checked,
+never from the body). Without --api-key no request has a checked key: all are one tenant, as in shared.
+The derivation is stable across restarts, so SSD entries stay reachable for their key.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -15,6 +26,7 @@ from starlette.requests import Request
 from flashtier.engine.client import EngineClient
 from flashtier.engine.outputs import CacheUsage, TokenLogprob
 from flashtier.engine.sampling_params import SamplingParams
+from flashtier.server.auth import authenticated_key
 from flashtier.server.errors import BadRequest, NotFound, ServiceUnavailable
 from flashtier.server.metrics import ServerMetrics
 from flashtier.server.protocol import SamplingFields
@@ -26,6 +38,7 @@ from flashtier.server.tokenizer import THINK_END, Tokenizer
 MIN_LOGPROB = -9999.0
 # Prompts larger than this (characters) are encoded on a worker thread, off the event loop.
 THREAD_ENCODE_CHARS = 32_768
+TENANT_DOMAIN = b"flashtier/tenant/v1\x00"
 
 
 class ServerState:
@@ -61,6 +74,13 @@ class ServerState:
         raise NotFound(f"the model {name!r} does not exist; this server serves {list(names)}", param="model",
                        code="model_not_found")
 
+    def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
+        """The salt the engine gets for a request sending `client_salt` (see the module doc)."""
+        if self.settings.cache_isolation != "per-key":
+            return client_salt
+        key = authenticated_key(request.scope)
+        return client_salt if key is None else tenant_salt(key, client_salt)
+
     @property
     def max_model_len(self) -> int | None:
         if self.engine is not None:
@@ -69,6 +89,12 @@ class ServerState:
             except Exception:
                 return self.settings.max_model_len
         return self.settings.max_model_len
+
+
+def tenant_salt(api_key: str, client_salt: str | None) -> str:
+    """``sha256(TENANT_DOMAIN + key)`` hex, NUL, the client's salt: the key's tenant, then the salt within it."""
+    tenant = hashlib.sha256(TENANT_DOMAIN + api_key.encode("utf-8")).hexdigest()
+    return f"{tenant}\x00{client_salt or ''}"
 
 
 def get_state(request: Request) -> ServerState:

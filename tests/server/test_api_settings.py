@@ -62,6 +62,25 @@ def test_environment_and_flag_precedence(tmp_path):
     assert s.model_names == ("a", "b")
 
 
+def test_list_options_repeat_and_split_on_commas():
+    s = build_settings(_ns("--api-key", "k1,k2", "--api-key", "k3", "k1", "--served-model-name", "a, b"), {})
+    assert s.api_key == ("k1", "k2", "k3") and s.served_model_name == ("a", "b")
+    assert build_settings(_ns(), {"FLASHTIER_API_KEY": "k1,,k2,"}).api_key == ("k1", "k2")
+    with pytest.raises(SystemExit):
+        _ns("--api-key", " , ")  # `--api-key "$UNSET"` must not start an open server
+
+
+def test_cache_isolation_and_small_budgets():
+    assert build_settings(_ns(), {}).cache_isolation == "shared"
+    assert build_settings(_ns("--cache-isolation", "per-key"), {}).cache_isolation == "per-key"
+    assert build_settings(_ns(), {"FLASHTIER_CACHE_ISOLATION": "PER-KEY"}).cache_isolation == "per-key"
+    for budget, segment in (("1M", 1 << 20), ("3M", 1 << 20), ("64M", 8 << 20), ("1T", 256 << 20)):
+        kv = build_settings(_ns("--kv-disk-budget", budget), {}).kvstore
+        assert kv.ssd_segment_bytes == segment, budget
+    with pytest.raises(SystemExit):
+        _ns("--kv-disk-budget", "1023K")
+
+
 def test_model_dir_names_the_model(tmp_path):
     model_dir = tmp_path / "DeepSeek-V4.1-Flash"
     model_dir.mkdir()
@@ -74,13 +93,22 @@ def test_bad_values_name_their_source(capsys):
         build_settings(_ns(), {"FLASHTIER_PORT": "http"})
     with pytest.raises(ValueError, match="FLASHTIER_PREFIX_CACHING"):
         build_settings(_ns(), {"FLASHTIER_PREFIX_CACHING": "maybe"})
-    with pytest.raises(ValueError, match="block_size"):
-        build_settings(_ns("--block-size", "60"), {})
+    with pytest.raises(ValueError, match="FLASHTIER_BLOCK_SIZE.*multiple of 8"):
+        build_settings(_ns(), {"FLASHTIER_BLOCK_SIZE": "60"})
+    with pytest.raises(ValueError, match="FLASHTIER_REDIS_URL.*scheme must be one of"):
+        build_settings(_ns(), {"FLASHTIER_REDIS_URL": "http://127.0.0.1:6379"})
+    with pytest.raises(ValueError, match="FLASHTIER_CACHE_ISOLATION"):
+        build_settings(_ns(), {"FLASHTIER_CACHE_ISOLATION": "tenant"})
+    with pytest.raises(SystemExit):
+        _ns("--block-size", "60")
+    err = capsys.readouterr().err
+    assert err == "flashtier: error: --block-size: must be a positive multiple of 8 (e.g. 64), got 60\n"
     with pytest.raises(ValueError, match="not a directory"):
         build_settings(_ns("/nonexistent/model"), {})
     with pytest.raises(SystemExit):
         _ns("--port", "70000")
-    assert "--port" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "flashtier: error: --port: a port must be in [0, 65535], got 70000\n"  # one line, no usage
 
 
 def test_every_option_has_a_flag_and_a_variable():
@@ -106,10 +134,13 @@ def _scripted_serve_command() -> list[str]:
 
 
 def test_serve_process_drains_on_sigterm(tmp_path):
-    port = _free_port()
+    port, dead = _free_port(), _free_port()
     env = {**os.environ, "FLASHTIER_PORT": str(port), "FLASHTIER_DRAIN_TIMEOUT": "20",
+           "FLASHTIER_CACHE_DIR": str(tmp_path / "cache"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen(_scripted_serve_command(), cwd=tmp_path, env=env,
+    # nothing listens on the Redis port: one warning line, and the server starts anyway
+    proc = subprocess.Popen([*_scripted_serve_command(), "--redis-url", f"redis://127.0.0.1:{dead}/0"], cwd=tmp_path,
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -152,6 +183,10 @@ def test_serve_process_drains_on_sigterm(tmp_path):
     finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
     assert finishes == ["length"]  # the in-flight stream completed during the drain
     assert DEMO_NOTE in output
+    warnings = [line for line in output.splitlines() if "--redis-url" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(f"WARNING   flashtier.server.settings: --redis-url "
+                                                         f"redis://127.0.0.1:{dead}: no Redis there"), output
+    assert "Traceback" not in output
     assert "stopping the engine" in output
 
 

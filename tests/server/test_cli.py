@@ -51,3 +51,19 @@ def test_generate_tiny_is_deterministic(temperature):
     a, b = _run(*args), _run(*args)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_serve_setting_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """In-process: a bad setting found after parsing (SettingsError) is one line and status 2, before any engine."""
+    monkeypatch.setenv("FLASHTIER_CACHE_DIR", str(tmp_path))
+    (tmp_path / "file").write_text("x")
+    built = []
+    assert main(["serve", "--kv-dir", str(tmp_path / "file")], engine_factory=built.append) == 2
+    err = capsys.readouterr().err
+    assert err == (f"flashtier: error: --kv-dir {tmp_path / 'file'}: is a file, not a directory; pass a directory "
+                   "(it is created when missing), or run without the SSD tier: --no-kv-persist\n")
+    assert not built
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--no-such-flag"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "flashtier: error: unrecognized arguments: --no-such-flag\n"
