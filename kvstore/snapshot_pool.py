@@ -2,7 +2,8 @@
 
 The snapshot tier is a best-effort cache with a short TTL (DESIGN.md §5): a snapshot that is not there
 costs a bounded replay, never a failed request. So no operation of a pool raises for a storage failure:
-``put`` answers False, ``get`` None, ``points`` {} and ``delete`` False, and ``stats()`` counts why.
+``put`` answers False, ``get`` None, ``points`` {}, ``points_many`` a list of {} and ``delete`` False,
+and ``stats()`` counts why.
 ValueError is raised only for wrong arguments (a programming error).
 
 Two implementations share this interface:
@@ -21,8 +22,8 @@ import abc
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
@@ -31,7 +32,12 @@ from flashtier.kvstore.snapshot import HEADER_BYTES, SnapshotKey
 
 @dataclass(slots=True)
 class SnapshotStats:
-    """Monotonic counters of one pool; ``SnapshotPool.stats()`` returns a copy."""
+    """Monotonic counters of one pool (``redis_down`` is a gauge); ``SnapshotPool.stats()`` returns a copy.
+
+    Per call of the interface exactly one outcome is counted: a ``get`` is a hit, miss, error or corrupt;
+    a ``put`` a put or a put failure. A call skipped by the Redis pool's circuit breaker is an error /
+    put failure there too, and its Redis call is counted in ``skipped_by_op`` instead of ``redis_errors``.
+    """
 
     puts: int = 0  # snapshots stored
     put_failures: int = 0  # puts answered False (too big, pool down or slow, Redis refused)
@@ -45,6 +51,12 @@ class SnapshotStats:
     timeouts: int = 0  # Redis calls that exceeded redis_timeout_s (a subset of redis_errors)
     evictions: int = 0  # embedded pool: snapshots dropped (LRU) to fit the byte budget
     expirations: int = 0  # embedded pool: snapshots dropped because their TTL passed
+    # Redis pool, by operation (put, get, points, points_many, delete, unlink); empty for the embedded pool
+    errors_by_op: dict[str, int] = field(default_factory=dict)  # failed calls other than timeouts
+    timeouts_by_op: dict[str, int] = field(default_factory=dict)  # calls over redis_timeout_s
+    skipped_by_op: dict[str, int] = field(default_factory=dict)  # not sent: the circuit breaker was open
+    breaker_opens: int = 0  # Redis pool: times Redis was found down (the circuit breaker opened)
+    redis_down: int = 0  # gauge, Redis pool: 1 while the circuit breaker is open (calls are skipped)
 
     @property
     def lookups(self) -> int:
@@ -68,6 +80,14 @@ def _check_payload(payload: object) -> bytes:
 def _check_dir(namespace: object, block_hash: object) -> None:
     if not isinstance(namespace, BlockHash) or not isinstance(block_hash, BlockHash):
         raise ValueError("points() needs two BlockHash values (namespace root, last full block hash)")
+
+
+def _check_dirs(namespace: object, block_hashes: object) -> list[BlockHash]:
+    if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
+        raise ValueError(f"points_many() needs a sequence of BlockHash values, got {type(block_hashes).__name__}")
+    if not isinstance(namespace, BlockHash) or not all(isinstance(h, BlockHash) for h in block_hashes):
+        raise ValueError("points_many() needs BlockHash values (namespace root, last full block hashes)")
+    return list(block_hashes)
 
 
 class SnapshotPool(abc.ABC):
@@ -96,6 +116,16 @@ class SnapshotPool(abc.ABC):
     async def points(self, namespace: BlockHash, block_hash: BlockHash) -> dict[int, str]:
         """The directory after ``block_hash``: {tail_len: tail hash hex}; {} when none or on failure."""
 
+    async def points_many(self, namespace: BlockHash, block_hashes: Sequence[BlockHash]) -> list[dict[int, str]]:
+        """``[points(namespace, h) for h in block_hashes]`` in one round trip under one deadline.
+
+        Both pools override it (the Redis pool with one pipeline). Failure: a list of empty dicts, the
+        failure counted once. ValueError for an argument that is not a BlockHash. This default (for other
+        subclasses) calls ``points`` once per hash.
+        """
+        _check_dirs(namespace, block_hashes)
+        return [await self.points(namespace, h) for h in block_hashes]
+
     @abc.abstractmethod
     async def delete(self, key: SnapshotKey) -> bool:
         """Remove ``key`` (and its directory field if it still names this tail hash); True if it existed."""
@@ -105,7 +135,9 @@ class SnapshotPool(abc.ABC):
         """Release connections/memory. Later calls behave as a pool that is down (counted failures)."""
 
     def stats(self) -> SnapshotStats:
-        return replace(self._stats)
+        st = self._stats
+        return replace(st, errors_by_op=dict(st.errors_by_op), timeouts_by_op=dict(st.timeouts_by_op),
+                       skipped_by_op=dict(st.skipped_by_op))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -184,6 +216,10 @@ class EmbeddedSnapshotPool(SnapshotPool):
             return None
         return entry
 
+    def _points_locked(self, namespace: BlockHash, block_hash: BlockHash) -> dict[int, str]:
+        d = self._dirs.get((namespace, block_hash), {})
+        return {tail_len: key.tail_hash.hex() for tail_len, key in sorted(d.items())}
+
     def check_integrity(self) -> None:
         """RuntimeError if the byte count, the two orders or the directories disagree (tests call it)."""
         with self._lock:
@@ -242,8 +278,15 @@ class EmbeddedSnapshotPool(SnapshotPool):
             if self._closed:
                 return {}
             self._expire(self._clock())
-            d = self._dirs.get((namespace, block_hash), {})
-            return {tail_len: key.tail_hash.hex() for tail_len, key in sorted(d.items())}
+            return self._points_locked(namespace, block_hash)
+
+    async def points_many(self, namespace: BlockHash, block_hashes: Sequence[BlockHash]) -> list[dict[int, str]]:
+        hashes = _check_dirs(namespace, block_hashes)
+        with self._lock:
+            if self._closed:
+                return [{} for _ in hashes]
+            self._expire(self._clock())
+            return [self._points_locked(namespace, h) for h in hashes]
 
     async def delete(self, key: SnapshotKey) -> bool:
         key = _check_key(key)

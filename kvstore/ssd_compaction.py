@@ -102,9 +102,9 @@ class Compactor:
             try:
                 with meta.fds.pinned(seg):
                     data = seg.read(start, end - start)
-            except OSError:
+            except OSError as exc:
                 with meta.lock:
-                    meta.stats.read_errors += 1
+                    meta.health.read_failed_locked(1, exc)
                 return False
             with meta.lock:
                 meta.stats.bytes_read += len(data)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flashtier.kvstore.ssd_health import write_cause
 from flashtier.kvstore.ssd_index import IndexEntry
 from flashtier.kvstore.ssd_meta import SSDMeta
 from flashtier.kvstore.ssd_segment import Segment
@@ -43,38 +44,44 @@ class SegmentLog:
         self.active: Segment | None = None
         self._dirty: set[Segment] = set()  # segments appended to since their last fsync
         self._dir_dirty = False
+        self._failed = False  # an append failed since the last flush (that cycle cannot end a fault)
 
     def append(self, raw: bytes, created_at: float, length: int) -> IndexEntry | None:
         """Append one encoded record to the active segment (rolling first if it would overflow).
 
         Mutates: the active segment (maybe a new one in the table), ``meta.bytes``, ``bytes_written``.
-        Failure: None on an I/O error, counted in ``write_errors``; the segment is sealed (its tail may
-        hold part of the record, a torn tail to the next scan) and the byte count follows the file.
+        Failure: None on an I/O error, counted by cause and logged on a state change (``SSDHealth``); the
+        segment is sealed (its tail may hold part of the record, a torn tail to the next scan) unless the
+        disk was full and nothing was written; the byte count follows the file.
         """
         meta = self._meta
         seg = self.active
         before = seg.size if seg is not None else 0
+        op = "append"
         try:
             if seg is not None and seg.size and seg.size + len(raw) > self._segment_bytes:
                 self.seal_active()
                 seg = None
             if seg is None:
+                op = "create"
                 seg = Segment.create(self._dir, self.next_id)
                 self.next_id += 1
                 self._dir_dirty = True
                 with meta.lock:
                     meta.segments[seg.segment_id] = seg
                 self.active = seg
+                op = "append"
             before = seg.size
             self._dirty.add(seg)
             offset = seg.append(raw)
-        except OSError:
+        except OSError as exc:
+            self._failed = True
             with meta.lock:
-                meta.stats.write_errors += 1
+                meta.health.write_failed_locked(exc, op)
                 if seg is not None:
                     meta.bytes += seg.size - before
-            if seg is not None:
-                self.seal_active()
+            if seg is not None and (seg.size != before or write_cause(exc) != "disk_full"):
+                self.seal_active()  # a clean ENOSPC (nothing written) keeps it: no empty segment per failure
             return None
         with meta.lock:
             meta.bytes += len(raw)
@@ -85,21 +92,24 @@ class SegmentLog:
         """fsync the dirty segments, then the directory if a file was created or deleted.
 
         Mutates: clears the dirty set (a failed segment too: it is sealed, never appended to again).
-        Failure: False after any fsync error (counted in ``write_errors``): records since the last good
-        flush may not be durable.
+        A flush cycle (the appends since the previous flush, then this one) that fsynced a segment and
+        saw no error ends a write fault (``SSDHealth.write_ok_locked`` logs the recovery).
+        Failure: False after any fsync error (counted by cause, logged on a state change): records since
+        the last good flush may not be durable.
         """
         meta = self._meta
-        ok = True
+        ok, synced = True, False
         for seg in sorted(self._dirty, key=lambda s: s.segment_id):
             try:
                 with meta.fds.pinned(seg):
                     seg.sync()
-            except OSError:
+                synced = True
+            except OSError as exc:
                 ok = False
                 if seg is self.active:
                     self.seal_active()
                 with meta.lock:
-                    meta.stats.write_errors += 1
+                    meta.health.write_failed_locked(exc, "fsync")
             self._dirty.discard(seg)
             with meta.lock:
                 meta.stats.fsyncs += 1
@@ -107,10 +117,14 @@ class SegmentLog:
             try:
                 os.fsync(self._dir_fd)
                 self._dir_dirty = False
-            except OSError:
+            except OSError as exc:
                 ok = False
                 with meta.lock:
-                    meta.stats.write_errors += 1
+                    meta.health.write_failed_locked(exc, "fsync of the directory")
+        if ok and synced and not self._failed:
+            with meta.lock:
+                meta.health.write_ok_locked()
+        self._failed = False
         return ok
 
     def seal_active(self) -> None:

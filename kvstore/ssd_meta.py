@@ -10,6 +10,7 @@ descriptor cache and stats through one SSDMeta. Who may touch what::
                a writer holding the write lock may read it without ``lock``
     bytes      the same rule as ``segments``
     stats      counters: written under ``lock`` by everyone
+    health     fault states (ssd_health.py): its ``*_locked`` methods need ``lock``; they count into ``stats``
     fds        the descriptor cache (its ``*_locked`` methods need ``lock``)
     closed     set by close() under both locks; readers check it under ``lock``
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from threading import Lock
 
 from flashtier.kvstore.ssd_fd_cache import DescriptorCache
+from flashtier.kvstore.ssd_health import SSDHealth
 from flashtier.kvstore.ssd_index import SSDIndex
 from flashtier.kvstore.ssd_segment import Segment
 from flashtier.kvstore.ssd_stats import SSDStats
@@ -27,15 +29,21 @@ from flashtier.kvstore.ssd_stats import SSDStats
 
 @dataclass(slots=True, eq=False)
 class SSDMeta:
-    """Index, segment table (id -> Segment, ascending ids), disk bytes, descriptors, stats, closed flag."""
+    """Index, segment table (id -> Segment, ascending ids), disk bytes, descriptors, stats, fault states,
+    closed flag. ``directory`` only names the store in log lines."""
 
     lock: Lock
     fds: DescriptorCache
+    directory: str = ""
     index: SSDIndex = field(default_factory=SSDIndex)
     segments: dict[int, Segment] = field(default_factory=dict)
     bytes: int = 0  # sum of the segments' sizes (check_integrity compares it with the files)
     stats: SSDStats = field(default_factory=SSDStats)
     closed: bool = False
+    health: SSDHealth = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.health = SSDHealth(self.stats, self.directory)
 
     def check_open(self) -> None:
         """RuntimeError once the store is closed."""

@@ -38,6 +38,7 @@ class _ReadTally:
     nbytes: int = 0
     nops: int = 0
     errors: int = 0
+    error: OSError | None = None  # the first one, for the log line of a state change
 
 
 class SSDReader:
@@ -56,9 +57,10 @@ class SSDReader:
         Takes the metadata lock only briefly (file reads happen outside it, on pinned segments), a few
         segments at a time so at most ~max_open descriptors are open. A key whose segment was deleted
         meanwhile (compacted or evicted) is looked up again.
-        Mutates: hit/miss/read counters; a record failing its checks is dropped from the index and
-        counted in ``corrupt_records`` (a miss, never served); a hit older than the refresh age is
-        queued for maintain() to re-append.
+        Mutates: hit/miss/read counters; a read I/O error is a miss, counted in ``read_errors`` and
+        logged once per state change (``SSDHealth``); a record failing its checks is dropped from the
+        index and counted in ``corrupt_records`` (a miss, never served); a hit older than the refresh age
+        is queued for maintain() to re-append.
         Failure: ValueError for a key that is not a BlockHash; RuntimeError once the store is closed.
         """
         for key in keys:
@@ -105,8 +107,8 @@ class SSDReader:
                     continue
                 try:
                     meta.fds.open_locked(seg)
-                except OSError:
-                    tally.errors += 1
+                except OSError as exc:
+                    tally.errors, tally.error = tally.errors + 1, tally.error or exc
                     continue
                 seg.pin()
                 pinned.append(seg)
@@ -116,8 +118,8 @@ class SSDReader:
                     start, end = run[0][1].offset, run[-1][1].end
                     try:
                         data = seg.read(start, end - start)
-                    except OSError:
-                        tally.errors += 1
+                    except OSError as exc:
+                        tally.errors, tally.error = tally.errors + 1, tally.error or exc
                         continue
                     tally.nbytes, tally.nops = tally.nbytes + len(data), tally.nops + 1
                     for key, entry in run:
@@ -141,7 +143,10 @@ class SSDReader:
         hits = sum(p is not None for p in out)
         st.hits, st.misses = st.hits + hits, st.misses + n - hits
         st.bytes_read, st.read_ops = st.bytes_read + tally.nbytes, st.read_ops + tally.nops
-        st.read_errors += tally.errors
+        if tally.errors:
+            self._meta.health.read_failed_locked(tally.errors, tally.error)
+        elif tally.nops:
+            self._meta.health.read_ok_locked()
         for key, entry in tally.bad:
             if self._meta.index.remove(key, entry) is not None:
                 st.corrupt_records += 1

@@ -59,9 +59,9 @@ class RefreshQueue:
             try:
                 with meta.fds.pinned(seg):
                     data = seg.read(entry.offset, entry.record_bytes)
-            except OSError:
+            except OSError as exc:
                 with meta.lock:
-                    meta.stats.read_errors += 1
+                    meta.health.read_failed_locked(1, exc)
                 continue
             payload = verified_payload(data, 0, key, entry)
             if payload is None:

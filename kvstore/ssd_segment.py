@@ -30,6 +30,8 @@ from pathlib import Path
 from flashtier.kvstore.ssd_record import HEADER_BYTES, MAGIC, RecordCorrupt, RecordHeader, decode_header
 
 SEGMENT_SUFFIX = ".seg"
+FILE_MODE = 0o600  # segment and LOCK files: owner only
+DIR_MODE = 0o700  # an SSD directory the store creates
 _NAME = re.compile(r"^(\d{12})\.seg$")
 _SCAN_CHUNK = 1 << 20  # bytes read at a time while searching for the next magic after a bad header
 
@@ -73,9 +75,19 @@ class Segment:
 
     @classmethod
     def create(cls, directory: Path, segment_id: int) -> Segment:
-        """A new empty, active segment. OSError (FileExistsError included) if it cannot be created."""
+        """A new empty, active segment, mode 0600 whatever the umask (KV bytes are prompt content).
+        OSError (FileExistsError included) if it cannot be created; nothing is left open then."""
         path = directory / segment_name(segment_id)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)  # the umask may have removed bits of FILE_MODE
+        except OSError:
+            os.close(fd)
+            try:
+                os.unlink(path)  # else the next create of this id fails with FileExistsError for ever
+            except OSError:
+                pass
+            raise
         return cls(segment_id, path, fd, 0, sealed=False)
 
     @classmethod

@@ -20,8 +20,11 @@ The store is a facade over its parts, which share one SSDMeta (index, segment ta
     maintain ──▶ RefreshQueue.drain (re-append hot records) ──▶ Compactor.collect (garbage)
 
 A write that cannot fit because young records fill the budget is refused (PutResult.REFUSED, counted in
-``admission_refusals``) and nothing raises; serving goes on and the block is a future miss. Durability
-rules are in ssd_log.py, compaction in ssd_compaction.py.
+``admission_refusals``) and nothing raises; serving goes on and the block is a future miss. Write and
+read I/O errors are misses too, counted by cause in SSDStats; every fault state change (disk full,
+unwritable, I/O error, refusing, recovered) is one WARNING (ssd_health.py). Start-up logs one INFO scan
+summary. Files are private: the directory is created 0700, LOCK and segments 0600, whatever the umask.
+Durability rules are in ssd_log.py, compaction in ssd_compaction.py.
 
 Locking (two locks, always taken in this order):
   ``_write_lock``  serialises every mutator: put, flush, maintain, close, check_integrity. Appends,
@@ -38,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -56,12 +60,36 @@ from flashtier.kvstore.ssd_reader import SSDReader
 from flashtier.kvstore.ssd_record import HEADER_BYTES, encode_record
 from flashtier.kvstore.ssd_record_io import check_header
 from flashtier.kvstore.ssd_refresh import RefreshQueue
-from flashtier.kvstore.ssd_segment import Segment, SegmentScan, parse_segment_name, segment_name
+from flashtier.kvstore.ssd_segment import (
+    DIR_MODE,
+    FILE_MODE,
+    Segment,
+    SegmentScan,
+    parse_segment_name,
+    segment_name,
+)
 from flashtier.kvstore.ssd_stats import SSDStats
 
 __all__ = ["Clock", "PutResult", "SSDStats", "SSDStore"]
 
 Clock = Callable[[], float]
+log = logging.getLogger("flashtier.kvstore.ssd")
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (and missing parents) with the leaf at mode 0700 whatever the umask. An existing
+    directory keeps its mode (the operator chose it), with a WARNING if group or others may read it.
+    OSError if it cannot be created."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=DIR_MODE)
+    except FileExistsError:
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            log.warning("SSD tier %s: directory mode is %o; KV blocks hold prompt content, consider 0700",
+                        path, mode)  # fmt: skip
+        return
+    os.chmod(path, DIR_MODE)  # mkdir's mode is filtered by the umask
 
 
 class SSDStore:
@@ -86,15 +114,20 @@ class SSDStore:
         self.config = config
         self._clock = clock
         self._write_lock, self._lock = Lock(), Lock()
-        self._meta = meta = SSDMeta(self._lock, DescriptorCache(self._lock, max_open_segments))
         self._dir = Path(config.ssd_dir)
-        self._dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self._dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._meta = meta = SSDMeta(self._lock, DescriptorCache(self._lock, max_open_segments), str(self._dir))
+        started = time.monotonic()
+        make_private_dir(self._dir)
+        self._lock_fd = os.open(self._dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         try:
+            os.fchmod(self._lock_fd, FILE_MODE)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
             raise RuntimeError(f"{self._dir} is in use by another SSDStore (LOCK is held)") from None
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         try:
             self._dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             scans = [(seg_id, self._load_segment(name)) for name in sorted(os.listdir(self._dir))
@@ -114,6 +147,15 @@ class SSDStore:
                                     lifetime_s=config.ssd_lifetime_s, compact_live_ratio=compact_live_ratio,
                                     pressure_compact_ratio=pressure_compact_ratio,
                                     coalesce_gap_bytes=coalesce_gap_bytes)  # fmt: skip
+        self._log_scan_summary(time.monotonic() - started)
+
+    def _log_scan_summary(self, seconds: float) -> None:
+        """One INFO line after the start-up scan: what the tier holds and what the scan dropped."""
+        st = self.stats()
+        log.info("SSD tier %s: %d segments, %d entries, %d B on disk (%d B live); scan dropped %d torn bytes "
+                 "and %d corrupt records; oldest entry %.0f s old; scanned in %.2f s", self._dir, st.segments,
+                 st.entries, st.bytes, st.live_bytes, st.torn_bytes, st.corrupt_records, st.oldest_entry_age_s,
+                 seconds)  # fmt: skip
 
     def _load_segment(self, name: str) -> SegmentScan:
         """Start-up: register segment file ``name``, scan its headers and fsync it (the previous process
@@ -186,12 +228,13 @@ class SSDStore:
         raw = encode_record(key, payload, now)
         if not self._compactor.make_room(len(raw), now):
             with self._lock:
-                self._meta.stats.admission_refusals += 1
+                self._meta.health.refused_locked(self.config.ssd_budget_bytes, now)
             return PutResult.REFUSED
         entry = self._log.append(raw, now, len(raw) - HEADER_BYTES)
-        if entry is None:
-            return PutResult.FAILED
         with self._lock:
+            self._meta.health.admitted_locked(now)
+            if entry is None:
+                return PutResult.FAILED
             self._meta.index.insert(key, entry)
         return PutResult.STORED
 

@@ -12,6 +12,8 @@ of keys already on disk (so records die and segments get compacted or deleted wh
 reads in between (hits on old records queue refreshes, which maintain() re-appends). It
 appends a key's hex to ``keys_file`` only after its future resolved STORED, i.e. after the fsync that
 covered it returned; the test then checks every listed key is readable with exactly ``payload_for(key)``.
+It creates ``<keys_file>.ready`` once its store is open (the start-up scan fsyncs every segment, which
+takes a while on some disks), so the test can aim most kills at the writing phase.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from flashtier.kvstore.ssd_store import PutResult, SSDStore
 from flashtier.kvstore.ssd_writer import SSDWriter
 
 SEGMENT_BYTES = 4096
-BUDGET_BYTES = 96 * 1024
+BUDGET_BYTES = 48 * 1024  # 12 segments: eviction starts within a few trials of each directory
 LIFETIME_S = 1.5  # real seconds: records from earlier trials expire, so eviction runs during the kills
 REFRESH_AGE_S = 0.5
 MAX_RUN_S = 5.0  # a writer nobody kills exits on its own (no orphans if the test dies)
@@ -53,6 +55,7 @@ def write_forever(ssd_dir: str, seed: int, keys_file: str) -> None:
     store = SSDStore(crash_config(ssd_dir))
     old = store.keys()
     writer = SSDWriter(store, max_batch_records=rng.choice([1, 4, 16, 64]), maintain_interval_s=0.002)
+    os.close(os.open(keys_file + ".ready", os.O_WRONLY | os.O_CREAT, 0o644))  # start-up (scan, fsyncs) is over
     deadline = time.monotonic() + MAX_RUN_S
     written: list[BlockHash] = []
     inflight = []

@@ -1,7 +1,8 @@
 """RedisSnapshotPool against real redis-server processes (tests/kvstore/redis_server.py): stored bytes and
 PTTL of both keys, the directory, and every failure a counted miss within the timeout, never an
 exception: flushed, stopped (then restarted), paused (slow), corrupt values, maxmemory eviction.
-Redis Cluster cannot run here: only its URL parsing and its failure path (a non-cluster server) are tested."""
+Redis Cluster cannot run here: only its URL parsing and its failure path (a non-cluster server) are tested.
+The circuit breaker and points_many have their own file (test_snapshot_redis_breaker.py)."""
 
 import asyncio
 import time
@@ -11,7 +12,8 @@ import redis.utils
 
 from flashtier.kvstore.block_hash import hash_blocks, namespace_hash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.redis_snapshot_pool import RedisSnapshotPool, parse_redis_url, snapshot_pool_from_config
+from flashtier.kvstore.redis_snapshot_pool import RedisSnapshotPool, snapshot_pool_from_config
+from flashtier.kvstore.redis_url import parse_redis_url
 from flashtier.kvstore.snapshot import HEADER_BYTES, Snapshot, SnapshotKey
 from flashtier.kvstore.snapshot_pool import EmbeddedSnapshotPool
 
@@ -22,6 +24,7 @@ BLOCKS = hash_blocks(NS, list(range(4 * 8)), 8)
 TTL_S = 300.0
 TIMEOUT_S = 0.2
 BOUND_S = TIMEOUT_S + 0.3  # a failed call must return within the timeout plus scheduling slack
+BREAKER_S = 0.3  # the breaker's first back-off here (1 s in production)
 
 
 def key(tail_len=3, block=0, salt=0):
@@ -53,6 +56,7 @@ def with_pool(url, body, **kw):
     """Run ``body(pool)`` on a fresh event loop with a fresh pool, closing it afterwards."""
 
     async def go():
+        kw.setdefault("breaker_base_s", BREAKER_S)
         pool = RedisSnapshotPool(url, ttl_s=kw.pop("ttl_s", TTL_S), timeout_s=TIMEOUT_S, **kw)
         try:
             return await body(pool)
@@ -161,6 +165,7 @@ def test_stopped_redis_fails_fast_and_counted_then_recovers(own_server):
                    await timed(pool.points(NS, BLOCKS[0])), await timed(pool.delete(key()))]  # fmt: skip
         down = pool.stats()
         own_server.restart()  # an empty server on the same port
+        await asyncio.sleep(BREAKER_S + 0.05)  # the back-off is over: the next call probes
         assert await pool.get(key()) is None  # reconnects: a plain miss now
         assert await pool.put(key(), b"back")
         return results, down, await pool.get(key()), pool.stats()
@@ -168,9 +173,11 @@ def test_stopped_redis_fails_fast_and_counted_then_recovers(own_server):
     results, down, value, up = with_pool(own_server.url, body)
     assert [r for r, _ in results] == [False, None, {}, False]
     assert all(dt < BOUND_S for _, dt in results), results
-    assert (down.put_failures, down.errors, down.redis_errors) == (1, 1, 4)
+    assert (down.put_failures, down.errors, down.redis_errors, down.redis_down) == (1, 1, 1, 1)
+    assert down.errors_by_op["put"] == 1  # the failed call; the three after it were not sent
+    assert (down.skipped_by_op["get"], down.skipped_by_op["points"], down.skipped_by_op["delete"]) == (1, 1, 1)
     assert value == b"back"
-    assert (up.misses, up.hits, up.puts, up.redis_errors) == (1, 1, 2, 4)
+    assert (up.misses, up.hits, up.puts, up.redis_errors, up.redis_down, up.breaker_opens) == (1, 1, 2, 1, 0, 1)
 
 
 def test_slow_redis_is_a_miss_within_the_timeout(server):
@@ -183,13 +190,15 @@ def test_slow_redis_is_a_miss_within_the_timeout(server):
             slow = [await timed(pool.get(key())), await timed(pool.put(key(4), b"w"))]
         finally:
             admin.execute_command("CLIENT", "UNPAUSE")
+        await asyncio.sleep(BREAKER_S + 0.05)
         return slow, await pool.get(key()), pool.stats()
 
     slow, value, st = with_pool(server.url, body)
     assert [r for r, _ in slow] == [None, False]
-    assert all(dt < BOUND_S for _, dt in slow), slow
-    assert value == b"v"  # the timed-out connections were dropped; a fresh one answers
-    assert (st.errors, st.put_failures, st.timeouts, st.redis_errors, st.hits) == (1, 1, 2, 2, 1)
+    assert slow[0][1] < BOUND_S and slow[1][1] < 0.05, slow  # the put was skipped: Redis had just timed out
+    assert value == b"v"  # the timed-out connection was dropped; a fresh one answers the probe
+    assert (st.errors, st.put_failures, st.timeouts, st.redis_errors, st.hits) == (1, 1, 1, 1, 1)
+    assert (st.timeouts_by_op["get"], st.errors_by_op["get"], st.skipped_by_op["put"]) == (1, 0, 1)
 
 
 def test_corrupt_values_are_counted_misses_and_dropped(server):
@@ -265,7 +274,7 @@ def test_cluster_url_builds_a_cluster_client_that_fails_as_a_counted_miss(server
 
     (value, dt_get), (ok, dt_put), st = with_pool(url, body)
     assert value is None and ok is False and dt_get < BOUND_S and dt_put < BOUND_S
-    assert (st.errors, st.put_failures, st.redis_errors) == (1, 1, 2)
+    assert (st.errors, st.put_failures, st.redis_errors, st.skipped_by_op["put"]) == (1, 1, 1, 1)
 
 
 def test_unreachable_port_is_a_counted_miss():

@@ -456,15 +456,17 @@ def test_concurrent_readers_during_writes_and_compaction(tmp_path):
     for t in threads:
         t.start()
     rng = random.Random(7)
-    for _ in range(600):
-        k = key(rng.randrange(30))
-        w.submit(k, payload(k))
-    assert w.flush(10)
-    time.sleep(0.05)
-    stop.set()
-    for t in threads:
-        t.join()
-    w.close()
+    try:
+        for _ in range(600):
+            k = key(rng.randrange(30))
+            w.submit(k, payload(k))
+        assert w.flush(120)  # ~500 fsyncs: seconds on a loaded machine
+        time.sleep(0.05)
+    finally:  # the readers must stop even when an assertion fails, or the test process never exits
+        stop.set()
+        for t in threads:
+            t.join()
+        w.close()
     assert not errors
     st = s.stats()
     assert st.evicted_segments > 0 and st.corrupt_records == 0 and st.admission_refusals == 0
