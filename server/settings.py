@@ -67,6 +67,7 @@ class ServerSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_waiting_requests: int = 1024
+    resume_policy: str = "replay"  # replay | exact-or-cold (engine.config.RESUME_POLICIES)
     device: str | None = None
     dtype: str = "auto"
     weights_seed: int = 0
@@ -128,6 +129,7 @@ class ServerSettings:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_waiting=self.max_waiting_requests,
+            resume_policy=self.resume_policy,
         )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from flashtier.engine.config import RESUME_POLICIES
 from flashtier.kvstore.config import GiB, MIN_SSD_BUDGET_BYTES
 
 __all__ = ["CACHE_ISOLATION_MODES", "ENV_PREFIX", "OPTIONS", "Option", "default_cache_dir", "format_size"]
@@ -250,4 +251,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("redis_url", "--redis-url", _redis_url, None, "Redis URL of the snapshot pool (redis://, "
            "rediss://, unix://, redis+cluster://); unset: an embedded in-process pool"),
     Option("snapshot_ttl_s", "--snapshot-ttl", _duration, 300.0, "TTL of SWA snapshots (e.g. 5m)"),
+    Option("resume_policy", "--resume-policy", _choice(*RESUME_POLICIES), "replay", "replay: a cached "
+           "prefix without a snapshot resumes by the model's bounded replay (approximate window, reported "
+           "as usage.flashtier.resume = replay); exact-or-cold: recompute instead (cold answers only)"),
 )
