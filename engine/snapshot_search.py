@@ -35,24 +35,35 @@ class SnapshotFound:
     point: int | None  # None: nothing usable
     payload: bytes | None
     listed: bool  # some candidate point was listed (a miss rather than "none")
+    failed: bool = False  # the pool failed or skipped calls meanwhile (an error rather than "none")
 
 
 async def find_snapshot(pool: SnapshotPool, q: SnapshotQuery, best_b: int) -> SnapshotFound:
     """Exact snapshots first; replayed ones only when no exact one is there. Never raises for the pool
-    (a failing pool answers empty directories and misses)."""
+    (a failing pool answers empty directories and misses). ``failed`` compares the pool's failure
+    counters before and after, so a concurrent lookup's failure may be attributed here too (it only
+    labels the outcome)."""
+    before = _failures(pool)
     found = await _search(pool, q, q.namespace, best_b)
     if found.point is None and q.replayed_namespace is not None:
         replayed = await _search(pool, q, q.replayed_namespace, best_b)
-        return SnapshotFound(replayed.point, replayed.payload, found.listed or replayed.listed)
-    return found
+        found = SnapshotFound(replayed.point, replayed.payload, found.listed or replayed.listed)
+    return SnapshotFound(found.point, found.payload, found.listed, _failures(pool) > before)
+
+
+def _failures(pool: SnapshotPool) -> int:
+    s = pool.stats()
+    return s.redis_errors + sum(s.skipped_by_op.values())
 
 
 async def _search(pool: SnapshotPool, q: SnapshotQuery, namespace: BlockHash, best_b: int) -> SnapshotFound:
+    """Every candidate boundary's directory in one round trip (one deadline), then gets, best first."""
     bs, n = q.block_size, len(q.prompt)
     listed = False
-    for b in range(best_b, max(-1, best_b - SNAPSHOT_SEARCH_BLOCKS), -1):
-        parent = q.hashes[b - 1] if b else q.namespace
-        points = await pool.points(namespace, parent)
+    boundaries = list(range(best_b, max(-1, best_b - SNAPSHOT_SEARCH_BLOCKS), -1))
+    parents = [q.hashes[b - 1] if b else q.namespace for b in boundaries]
+    directories = await pool.points_many(namespace, parents)
+    for b, parent, points in zip(boundaries, parents, directories):
         for tail_len in sorted(points, reverse=True):
             p = b * bs + tail_len
             if tail_len >= bs or p > n - q.window or p < 1:

@@ -149,7 +149,7 @@ class TierManager:
         query = SnapshotQuery(q.namespace, q.replayed_namespace, q.prompt, q.hashes, bs, q.window)
         found = await find_snapshot(self.snapshots, query, best_b)
         point, payload = found.point, found.payload
-        result = (SnapshotOutcome.HIT if point is not None else
+        result = (SnapshotOutcome.HIT if point is not None else SnapshotOutcome.ERROR if found.failed else
                   SnapshotOutcome.MISS if found.listed else SnapshotOutcome.NONE)
         need = available if point is None else point // bs
         images: list[bytes] = []

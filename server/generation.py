@@ -31,7 +31,7 @@ from flashtier.server.engine_stream import EngineStream, merge_outputs
 from flashtier.server.errors import APIError
 from flashtier.server.metrics import RequestTracker
 from flashtier.server.sse import SSE_DONE, SSEResponse, sse_error, sse_event
-from flashtier.server.state import sum_cache, usage_dict
+from flashtier.server.state import merge_resume, sum_cache, usage_dict
 
 __all__ = ["BodyRenderer", "Generation", "OutputChoice", "StreamRenderer", "json_response", "stream_response"]
 
@@ -93,7 +93,8 @@ class Generation(Generic[C]):
         """The request's ``usage``, from what the tracker recorded of every engine output."""
         prompt = sum(self.tracker.prompt_tokens(s.request_id) or len(s.prompt_token_ids) for s in self.streams)
         return usage_dict(prompt, sum(c.text.num_tokens for c in self.choices),
-                          sum(c.reasoning_tokens for c in self.choices), sum_cache(self.tracker.caches))
+                          sum(c.reasoning_tokens for c in self.choices), sum_cache(self.tracker.caches),
+                          merge_resume(self.tracker.resumes))
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
               with_usage_field: bool = False) -> bytes:

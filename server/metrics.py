@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from flashtier.engine.engine_stats import split_tier_key
-from flashtier.engine.outputs import CacheUsage, EngineStats, RequestOutput
+from flashtier.engine.outputs import CacheUsage, EngineStats, RequestOutput, ResumeInfo
 
 PREFIX = "flashtier_"
 
@@ -47,6 +47,8 @@ REQUEST_N = PREFIX + "request_params_n"
 REQUEST_SUCCESS = PREFIX + "request_success"  # counter: exported as ..._total{finished_reason}
 PROMPT_TOKENS_CACHED = PREFIX + "prompt_tokens_cached"  # counter {tier}
 PROMPT_TOKENS_REPLAYED = PREFIX + "prompt_tokens_replayed"  # counter
+RESUMES = PREFIX + "resumes"  # counter by kind: exact | replay | cold (provenance of the window state)
+RESUME_KINDS = ("exact", "replay", "cold")
 PROMPT_TOKENS_COMPUTED = PREFIX + "prompt_tokens_computed"  # counter
 REQUEST_PERSISTED_BYTES = PREFIX + "request_persisted_bytes"  # histogram: bytes persisted per turn
 HTTP_REQUESTS = PREFIX + "http_requests"  # counter {method, route, status}
@@ -217,6 +219,10 @@ class ServerMetrics:
                                 registry=reg).labels(model_name)
         self.computed = Counter(PROMPT_TOKENS_COMPUTED, "Prompt tokens computed from scratch.", lab,
                                 registry=reg).labels(model_name)
+        resumes = Counter(RESUMES, "Prompts by how their window state was made: exact (snapshot or full "
+                          "history), replay (approximate, bounded replay), cold.", ["model_name", "kind"],
+                          registry=reg)
+        self.resumes = {k: resumes.labels(model_name, k) for k in RESUME_KINDS}
         self.http = Counter(HTTP_REQUESTS, "HTTP requests by route and status.", ["method", "route", "status"],
                             registry=reg)
         info = Gauge(SERVER_INFO, "Constant 1; labels describe the server.", ["model_name", "version", "demo"],
@@ -242,6 +248,7 @@ class RequestTracker:
         self._last_token: float | None = None
         self._queue_observed: set[str] = set()
         self._cache: dict[str, CacheUsage] = {}
+        self._resume: dict[str, ResumeInfo] = {}
         self._prompt_tokens: dict[str, int] = {}
         self._done = False
 
@@ -250,6 +257,7 @@ class RequestTracker:
         self._prompt_tokens[out.request_id] = out.num_prompt_tokens
         if out.cache != CacheUsage() or out.request_id not in self._cache:
             self._cache[out.request_id] = out.cache
+            self._resume[out.request_id] = out.resume
         times = out.times
         if times is not None and times.first_scheduled is not None and out.request_id not in self._queue_observed:
             self._queue_observed.add(out.request_id)
@@ -266,6 +274,11 @@ class RequestTracker:
     def prompt_tokens(self, request_id: str) -> int:
         """The prompt length the engine reported for one engine request (0 before its first output)."""
         return self._prompt_tokens.get(request_id, 0)
+
+    @property
+    def resumes(self) -> list[ResumeInfo]:
+        """How each engine request's window state was made (provenance)."""
+        return list(self._resume.values())
 
     @property
     def caches(self) -> list[CacheUsage]:
@@ -294,3 +307,5 @@ class RequestTracker:
             m.cached["snapshot"].inc(cache.snapshot_tokens)
             m.replayed.inc(cache.replayed_tokens)
             m.computed.inc(cache.computed_tokens)
+        for resume in self._resume.values():
+            m.resumes[resume.kind].inc()

@@ -31,14 +31,24 @@ class CachedTokensByTier(_Response):
     snapshot: int = 0
 
 
+class ResumeUsage(_Response):
+    """How the prompt's window state was made: exact (a snapshot or the full history), replay (the
+    model's bounded replay from position ``replay_from``: approximate, never stored as exact), cold."""
+
+    kind: Literal["exact", "replay", "cold"] = "cold"
+    replay_from: int | None = None
+    replayed_tokens: int = 0
+
+
 class FlashtierUsage(_Response):
     """Where the prompt came from: cached tokens by tier, tokens replayed (bounded replay), computed;
-    and what the request persisted (SSD blocks + snapshots)."""
+    what the request made durable so far (fsynced SSD blocks, Redis snapshots); its resume provenance."""
 
     cached_tokens_by_tier: CachedTokensByTier = Field(default_factory=CachedTokensByTier)
     replayed_tokens: int = 0
     computed_tokens: int = 0
-    persisted_bytes: int = Field(default=0, description="bytes this request wrote to the persistent tiers")
+    persisted_bytes: int = Field(default=0, description="bytes of this request confirmed durable so far")
+    resume: ResumeUsage = Field(default_factory=ResumeUsage)
 
 
 class Usage(_Response):

@@ -24,7 +24,7 @@ from typing import Any
 from starlette.requests import Request
 
 from flashtier.engine.client import EngineClient
-from flashtier.engine.outputs import CacheUsage, TokenLogprob
+from flashtier.engine.outputs import CacheUsage, ResumeInfo, TokenLogprob
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.server.auth import authenticated_key
 from flashtier.server.errors import BadRequest, NotFound, ServiceUnavailable
@@ -143,7 +143,7 @@ def chat_logprob_entry(texts: TokenTexts, lp: TokenLogprob, top: int) -> dict[st
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int,
-               cache: CacheUsage) -> dict[str, Any]:
+               cache: CacheUsage, resume: ResumeInfo) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -156,8 +156,19 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int
             "replayed_tokens": cache.replayed_tokens,
             "computed_tokens": cache.computed_tokens,
             "persisted_bytes": cache.persisted_bytes,
+            "resume": {"kind": resume.kind, "replay_from": resume.replay_from,
+                       "replayed_tokens": cache.replayed_tokens},
         },
     }
+
+
+def merge_resume(resumes: Sequence[ResumeInfo]) -> ResumeInfo:
+    """One provenance for several prompts: any replay makes the response approximate (from the
+    earliest R), else any exact resume, else cold."""
+    replays = [r.replay_from for r in resumes if r.kind == "replay" and r.replay_from is not None]
+    if replays:
+        return ResumeInfo("replay", min(replays))
+    return ResumeInfo("exact") if any(r.kind == "exact" for r in resumes) else ResumeInfo("cold")
 
 
 def sum_cache(caches: Sequence[CacheUsage]) -> CacheUsage:

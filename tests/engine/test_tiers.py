@@ -133,6 +133,7 @@ def test_stopped_redis_is_a_miss_not_a_failure(tiny64, tmp_path):
     assert len(got) == GREEDY.max_tokens
     stats = eng.stats().tiers
     assert stats["snapshot_redis_errors"] > 0
+    assert stats["snapshot_lookup_error"] == 1 and stats["snapshot_lookup_none"] == 1  # a down pool is an error
     eng.close()
 
 

@@ -137,6 +137,8 @@ def test_restart_after_sigkill_resumes_from_ssd_and_snapshot(tmp_path, redis, co
         assert usage["prompt_tokens_details"]["cached_tokens"] == 700 + len(first) - 1
         assert tiers["hbm"] == 0 and tiers["ssd"] == (700 + len(first) - 1) // BS * BS
         assert tiers["snapshot"] == (700 + len(first) - 1) % BS
+        assert usage["flashtier"]["resume"] == {"kind": "exact", "replay_from": None,
+                                                "replayed_tokens": usage["flashtier"]["replayed_tokens"]}
         assert got["choices"][0]["token_ids"] == cold.complete(prompt)["choices"][0]["token_ids"]
     finally:
         srv.stop()
@@ -163,6 +165,8 @@ def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(tmp_path, re
         assert usage["prompt_tokens_details"]["cached_tokens"] == r
         assert usage["flashtier"]["cached_tokens_by_tier"]["snapshot"] == 0
         assert usage["flashtier"]["replayed_tokens"] >= 2 * W  # encoder replay + decoder replay
+        assert usage["flashtier"]["resume"]["kind"] == "replay" and usage["flashtier"]["resume"]["replay_from"] == r
+        assert srv.metric('flashtier_resumes_total{kind="replay",model_name="flashtier-tiny"}') == 1
         misses = srv.metric("flashtier_snapshot_lookup_none") + srv.metric("flashtier_snapshot_lookup_miss")
         assert misses > misses_before
         assert srv.metric("flashtier_prompt_tokens_replayed") > 0
@@ -175,3 +179,22 @@ def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(tmp_path, re
     seq = torch.tensor(prompt + toks[:-1])
     ref = reference_forward(model, seq, Plan.resume(r, len(prompt), seq.numel(), W))
     assert torch.argmax(ref.logits, -1).tolist() == toks
+
+
+def test_a_retried_turn_does_not_poison_the_next_one(tmp_path, redis, cold):
+    """The A, A, B reproducer over HTTP: the repeated A replays (its window is approximate, reported as
+    resume=replay) and must not replace A's exact snapshots, so B equals a cold run of B."""
+    srv = Server(tmp_path, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
+    try:
+        a = _chunk(134, seed=20)
+        first = srv.complete(a)["choices"][0]["token_ids"]
+        _wait_persisted(srv)
+        again = srv.complete(a)
+        assert again["usage"]["flashtier"]["resume"]["kind"] == "replay"
+        _wait_persisted(srv)
+        b = a + first + _chunk(40, seed=21)
+        got = srv.complete(b)
+        assert got["usage"]["flashtier"]["resume"]["kind"] == "exact"
+        assert got["choices"][0]["token_ids"] == cold.complete(b)["choices"][0]["token_ids"]
+    finally:
+        srv.stop()
