@@ -23,6 +23,7 @@ from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.redis_snapshot_pool import snapshot_pool_from_config
 from flashtier.kvstore.snapshot import SnapshotKey
+from flashtier.kvstore.ssd_put_result import PutResult
 from flashtier.kvstore.ssd_store import SSDStore
 from flashtier.kvstore.ssd_writer import SSDWriter
 
@@ -64,7 +65,8 @@ class TierStats:
 
     ssd_blocks_written: int = 0
     ssd_bytes_written: int = 0
-    ssd_write_refused: int = 0
+    # refused (admission: budget full of entries inside their lifetime) | failed (I/O) | dropped (queue bound)
+    ssd_writes_not_stored: dict[str, int] = field(default_factory=lambda: {"refused": 0, "failed": 0, "dropped": 0})
     ssd_blocks_loaded: int = 0
     snapshot_puts: int = 0
     snapshot_bytes_written: int = 0
@@ -102,13 +104,17 @@ class TierManager:
 
     def _count_write(self, fut: concurrent.futures.Future, nbytes: int,
                      on_durable: Callable[[int], None] | None) -> None:
-        if _result_ok(fut):
+        try:
+            result = fut.result()
+        except Exception:  # noqa: BLE001 - a failed write is a future miss
+            result = PutResult.FAILED
+        if result.ok:
             self.stats.ssd_blocks_written += 1
             self.stats.ssd_bytes_written += nbytes
             if on_durable is not None:
                 on_durable(nbytes)
-        else:
-            self.stats.ssd_write_refused += 1
+        else:  # admission refusals apart from I/O failures and writer-queue drops
+            self.stats.ssd_writes_not_stored[result.value] += 1
 
     def put_snapshot(self, key: SnapshotKey, payload: bytes, on_stored: Callable[[int], None] | None = None) -> None:
         """Fire-and-forget put. ``on_stored(nbytes)`` runs (on the I/O thread) once an out-of-process
