@@ -1,8 +1,8 @@
 """/metrics during a slow tier lookup: the request counts as loading, not running.
 
-The snapshot pool is a real redis-server stopped with SIGSTOP: every Redis call of the resume lookup
-waits out its timeout (0.25 s), and the lookup probes up to 64 block boundaries, so the second turn
-sits in LOADING for seconds while /metrics is scraped. SIGCONT lets it finish normally.
+The snapshot pool is a real redis-server stopped with SIGSTOP: the resume lookup's one round trip
+waits out its timeout (0.25 s), so the second turn sits in LOADING for that long while /metrics is
+scraped in a tight loop. SIGCONT lets it finish normally.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ def test_a_request_in_a_slow_lookup_is_loading_not_running(tmp_path):
         seen = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (1, 0) not in seen:
-            seen.append(_gauges(srv))
-            time.sleep(0.05)
+            seen.append(_gauges(srv))  # no sleep: the LOADING window is one Redis timeout long
         redis.proc.send_signal(signal.SIGCONT)
         turn.join(timeout=120)
         assert (1, 0) in seen, f"never saw loading=1, running=0 in {seen[-5:]}"
