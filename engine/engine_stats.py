@@ -55,7 +55,7 @@ def tier_stats(tiers: TierManager | None) -> dict[str, float]:
     t = tiers.stats
     out: dict[str, float] = {
         "ssd_blocks_written": t.ssd_blocks_written, "ssd_bytes_written": t.ssd_bytes_written,
-        "ssd_write_refused": t.ssd_writes_not_stored["refused"], "ssd_blocks_loaded": t.ssd_blocks_loaded,
+        "ssd_write_refused": t.ssd_write_refused, "ssd_blocks_loaded": t.ssd_blocks_loaded,
         "snapshot_puts": t.snapshot_puts, "snapshot_bytes_written": t.snapshot_bytes_written,
     }  # fmt: skip
     for outcome, n in t.snapshot_lookups.items():

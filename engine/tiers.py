@@ -65,8 +65,7 @@ class TierStats:
 
     ssd_blocks_written: int = 0
     ssd_bytes_written: int = 0
-    # refused (admission: budget full of entries inside their lifetime) | failed (I/O) | dropped (queue bound)
-    ssd_writes_not_stored: dict[str, int] = field(default_factory=lambda: {"refused": 0, "failed": 0, "dropped": 0})
+    ssd_write_refused: int = 0  # admission control: the budget is full of entries inside their lifetime
     ssd_blocks_loaded: int = 0
     snapshot_puts: int = 0
     snapshot_bytes_written: int = 0
@@ -113,8 +112,8 @@ class TierManager:
             self.stats.ssd_bytes_written += nbytes
             if on_durable is not None:
                 on_durable(nbytes)
-        else:  # admission refusals apart from I/O failures and writer-queue drops
-            self.stats.ssd_writes_not_stored[result.value] += 1
+        elif result is PutResult.REFUSED:  # I/O failures and queue drops: the store and writer count them
+            self.stats.ssd_write_refused += 1
 
     def put_snapshot(self, key: SnapshotKey, payload: bytes, on_stored: Callable[[int], None] | None = None) -> None:
         """Fire-and-forget put. ``on_stored(nbytes)`` runs (on the I/O thread) once an out-of-process

@@ -18,6 +18,7 @@ from flashtier.engine.client import EngineClient, QueueFullError
 from flashtier.engine.outputs import RequestOutput
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.server.errors import APIError, BadRequest, ServiceUnavailable, queue_full_error
+from flashtier.server.state import engine_ready
 
 __all__ = ["EngineStream", "StreamOutput", "engine_error", "merge_outputs"]
 
@@ -47,13 +48,8 @@ def engine_error(exc: BaseException, engine: EngineClient | None = None) -> APIE
         return queue_full_error(exc)
     if isinstance(exc, ValueError):
         return BadRequest(str(exc))
-    if engine is not None and isinstance(exc, Exception):
-        try:
-            ready = engine.is_ready()
-        except Exception:
-            ready = False
-        if not ready:
-            return ServiceUnavailable("the engine stopped or is shutting down; retry later")
+    if engine is not None and isinstance(exc, Exception) and not engine_ready(engine):
+        return ServiceUnavailable("the engine stopped or is shutting down; retry later")
     return None
 
 

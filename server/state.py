@@ -57,11 +57,7 @@ class ServerState:
         engine = self.engine
         if engine is None:
             raise ServiceUnavailable("the engine is starting; retry later")
-        try:
-            ready = engine.is_ready()
-        except Exception:
-            ready = False
-        if not ready:
+        if not engine_ready(engine):
             raise ServiceUnavailable("the engine is not ready (loading or stopped); retry later")
         return engine
 
@@ -140,6 +136,14 @@ def chat_logprob_entry(texts: TokenTexts, lp: TokenLogprob, top: int) -> dict[st
         alt_text, alt_raw = texts.get(token_id)
         alternatives.append({"token": alt_text, "logprob": clamp_logprob(value), "bytes": alt_raw})
     return {"token": text, "logprob": clamp_logprob(lp.logprob), "bytes": raw, "top_logprobs": alternatives}
+
+
+def engine_ready(engine: EngineClient) -> bool:
+    """``engine.is_ready()``, False when asking fails (a dead engine thread must not raise here)."""
+    try:
+        return engine.is_ready()
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int,
