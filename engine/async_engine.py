@@ -75,6 +75,10 @@ class AsyncEngine:
     def eos_token_id(self) -> int:
         return self.engine.model.cfg.eos_token_id
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.cfg.vocab_size
+
     def start(self) -> "AsyncEngine":
         self._thread.start()
         return self

@@ -22,6 +22,11 @@ class EngineClient(Protocol):
     @property
     def eos_token_id(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (token ids are below it); grammars are compiled for it."""
+        ...
+
     def is_ready(self) -> bool: ...
 
     def generate(

@@ -8,11 +8,13 @@ Runs on the engine thread; mutates requests, sequences and (through the schedule
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
+from flashtier.engine.grammar_mask import grammar_bitmask
 from flashtier.engine.outputs import TokenLogprob
 from flashtier.engine.request import FinishReason, Request, Sequence
 from flashtier.engine.request_state import RequestStatus
@@ -20,6 +22,8 @@ from flashtier.engine.runner import ModelRunnerOutput
 from flashtier.engine.sampler import Sampler, SamplerRow
 from flashtier.engine.scheduler import Scheduler
 from flashtier.engine.scheduler_output import DecoderKind, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +68,19 @@ class Postprocessor:
         if not rows:
             return
         out = self.sampler(logits[[r.row for r in rows]],
-                           [SamplerRow(r.request.params, r.seq.output, r.request.prompt, r.seq.generator) for r in rows])
+                           [SamplerRow(r.request.params, r.seq.output, r.request.prompt, r.seq.generator) for r in rows],
+                           token_bitmask=grammar_bitmask([r.seq.grammar for r in rows], logits.shape[1]))
         now = time.monotonic()
         for j, (r, tok) in enumerate(zip(rows, out.token_ids.tolist())):
             req, seq, p = r.request, r.seq, r.request.params
             if req.first_token is None:
                 req.first_token = now
+            if seq.grammar is not None and not seq.grammar.accept(tok):
+                # cannot happen for a token drawn under the mask; never hand out text the grammar rejects
+                logger.error("request %s: the grammar (%s) rejected sampled token %d; ending the choice",
+                             req.request_id, seq.grammar.constraint.label, tok)
+                self.scheduler.finish_seq(req, seq, FinishReason.ABORT)
+                continue
             if p.logprobs is not None:
                 k = p.logprobs
                 seq.logprobs.append(TokenLogprob(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashtier.engine.output_constraint import GrammarState
 from flashtier.engine.outputs import ResumeInfo, TokenLogprob
 from flashtier.engine.paged_kv import PagedSequence
 from flashtier.engine.request_state import RequestStatus
@@ -64,6 +65,7 @@ class Sequence:
     stop_token_id: int | None = None
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of its full blocks
     swapped: SwappedState | None = None  # preemption: private state + block images on the host
+    grammar: GrammarState | None = None  # structured output: where this choice is in its grammar
 
     @property
     def finished(self) -> bool:

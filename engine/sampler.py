@@ -18,6 +18,9 @@ Order of operations for each row (vLLM v1's order, except where noted):
 3. Penalties, in this order: repetition (prompt + generated tokens: positive logits divided
    by the penalty, negative ones multiplied), frequency (generated tokens: minus
    ``count * penalty``), presence (generated tokens: minus ``penalty`` once).
+3b. Grammar mask: when the caller passes a token bitmask (structured output), tokens a row's
+   grammar does not allow get ``-inf`` (``sampler_grammar``), so every later step, greedy
+   included, only sees allowed tokens. Logprobs stay the raw ones of step 1.
 4. Greedy rows (``temperature < GREEDY_TEMPERATURE_EPS``) take the argmax of the penalised
    logits and skip everything below. They draw no random numbers.
 5. Temperature: ``logits / temperature``.
@@ -52,6 +55,7 @@ from collections.abc import Sequence
 import torch
 
 from flashtier.engine.sampler_filters import apply_min_p, apply_top_k_top_p
+from flashtier.engine.sampler_grammar import apply_token_bitmask
 from flashtier.engine.sampler_output import SamplerOutput, with_logprobs
 from flashtier.engine.sampler_penalties import apply_min_tokens, apply_penalties
 from flashtier.engine.sampler_race import exponential_race
@@ -82,11 +86,13 @@ class Sampler:
         self.eos_token_id = eos_token_id
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow],
+                 token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample a token for each row of ``logits`` ``[B, V]`` (any float dtype and device).
 
         ``logits`` is not modified, because the sampler works on a float32 copy. The generators
-        of sampled (non-greedy) rows advance by ``V`` draws each.
+        of sampled (non-greedy) rows advance by ``V`` draws each. ``token_bitmask`` ``[B, ceil(V/32)]``
+        int32 (host or device) restricts each row to its grammar's tokens (all ones = unrestricted).
 
         Raises:
             ValueError: when ``logits`` is not 2-D, when ``len(rows) != B``, or when a row's
@@ -113,6 +119,8 @@ class Sampler:
         x = raw.clone()
         apply_min_tokens(x, rows, self.eos_token_id)
         apply_penalties(x, rows)
+        if token_bitmask is not None:
+            apply_token_bitmask(x, token_bitmask)
         token_ids = self._choose(x, rows)
 
         if raw_logprobs is None:

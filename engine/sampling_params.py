@@ -17,6 +17,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from flashtier.engine.output_constraint import OutputConstraint
+
 # Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a tiny
 # temperature overflows fp32, and the resulting distribution is an argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -66,6 +68,9 @@ class SamplingParams:
             ``ignore_eos``) and ``stop_token_ids`` are masked out of the distribution.
         logprobs: None (no logprobs), or an int in [0, MAX_LOGPROBS]: return the sampled token's
             logprob plus this many top alternatives per generated token (0 = sampled only).
+        constraint: a compiled grammar the output must match (structured output, forced tool
+            calls), or None. It needs EOS to end a completed grammar, so it cannot be combined with
+            ``ignore_eos`` or ``min_tokens``.
 
     Raises:
         ValueError: on any out-of-range or wrongly typed field, naming the field and its range.
@@ -85,6 +90,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    constraint: OutputConstraint | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if _check_int("n", self.n) < 1:
@@ -121,6 +127,10 @@ class SamplingParams:
                 f"logprobs must be None or in [0, {MAX_LOGPROBS}] (number of top alternatives), "
                 f"got {self.logprobs}"
             )
+
+        if self.constraint is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("ignore_eos and min_tokens cannot be combined with a structured-output constraint "
+                             "(a completed grammar allows nothing but EOS)")
 
     @staticmethod
     def _normalise_stop_ids(ids: Iterable[int]) -> tuple[int, ...]:

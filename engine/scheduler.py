@@ -28,6 +28,7 @@ import torch
 
 from flashtier.engine.fork import fork
 from flashtier.engine.kv_manager import KVManager
+from flashtier.engine.output_constraint import GrammarState
 from flashtier.engine.preemption import blocks_to_swap_in, swap_in, swap_out
 from flashtier.engine.outputs import ResumeInfo
 from flashtier.engine.request import FinishReason, Request, Sequence
@@ -124,7 +125,9 @@ class Scheduler:
         gen = None
         if req.params.seed is not None:
             gen = torch.Generator(device=self.kvm.spec.device).manual_seed(req.params.seed + index)
-        return Sequence(index, self.kvm.new_kv(), gen)
+        constraint = req.params.constraint
+        grammar = GrammarState(constraint) if constraint is not None else None
+        return Sequence(index, self.kvm.new_kv(), gen, grammar=grammar)
 
     def start_decode(self, req: Request) -> None:
         """REPLAY -> DECODE once the replay produced the first logits; n > 1 forks the prompt's sequence.

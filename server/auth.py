@@ -1,8 +1,10 @@
-"""API-key check on /v1/*: ``Authorization: Bearer KEY`` must name one of the configured keys.
+"""API-key check on /v1/*: ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (Anthropic's header, sent by
+the ``anthropic`` SDK and Claude Code) must name one of the configured keys; either header may carry it.
 
 Only paths under /v1 are guarded (as vLLM does): /health and /metrics stay open for load balancers
 and Prometheus, as do /tokenize, /detokenize and the OpenAPI document. With no key configured every
-path is open. Keys are compared in constant time; the scheme name is case-insensitive.
+path is open. Keys are compared in constant time; the scheme name is case-insensitive. The 401 is in
+OpenAI's error shape, or Anthropic's on /v1/messages*.
 
 The key a request presented is left in its ASGI scope (``authenticated_key(scope)``), so that
 ``--cache-isolation per-key`` can make each key its own cache tenant (state.py).
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from flashtier.server.errors import error_body
+from flashtier.server.errors import error_body_for_path
 
 PROTECTED_PREFIX = "/v1"
 SCOPE_KEY = "flashtier.api_key"  # where the middleware leaves the key a request was let in with
@@ -41,16 +43,22 @@ class APIKeyMiddleware:
         self._encoded = tuple(k.encode("utf-8") for k in self._keys)
 
     def _authorized(self, scope: Scope) -> str | None:
-        """The configured key the request's bearer token equals, else None."""
+        """The configured key the request's bearer token or x-api-key equals, else None."""
         for name, value in scope.get("headers", ()):
+            supplied: bytes | None = None
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").strip().partition(" ")
-                if scheme.lower() != "bearer":
-                    return None
-                supplied = token.strip().encode("latin-1")
-                # check every key, so timing does not tell which one nearly matched
-                matches = [hmac.compare_digest(supplied, key) for key in self._encoded]
-                return next((k for k, ok in zip(self._keys, matches, strict=True) if ok), None)
+                if scheme.lower() == "bearer":
+                    supplied = token.strip().encode("latin-1")
+            elif name == b"x-api-key":
+                supplied = value.strip()
+            if supplied is None:
+                continue
+            # check every key, so timing does not tell which one nearly matched
+            matches = [hmac.compare_digest(supplied, key) for key in self._encoded]
+            key = next((k for k, ok in zip(self._keys, matches, strict=True) if ok), None)
+            if key is not None:
+                return key
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -62,10 +70,10 @@ class APIKeyMiddleware:
             scope[SCOPE_KEY] = key
             await self.app(scope, receive, send)
             return
-        has_header = any(name == b"authorization" for name, _ in scope.get("headers", ()))
+        has_header = any(name in (b"authorization", b"x-api-key") for name, _ in scope.get("headers", ()))
         message = ("Incorrect API key provided" if has_header
-                   else "Missing API key: send it as the header `Authorization: Bearer KEY`")
-        body = json.dumps(error_body(401, message, code="invalid_api_key")).encode()
+                   else "Missing API key: send it as the header `Authorization: Bearer KEY` or `x-api-key: KEY`")
+        body = json.dumps(error_body_for_path(scope.get("path", ""), 401, message, code="invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})

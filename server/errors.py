@@ -13,7 +13,8 @@ Every error response body is ``{"error": {"message", "type", "param", "code"}}``
     503 server_error            the engine is not ready (loading) or has stopped
 
 Route code raises ``APIError`` (or a subclass); ``install_error_handlers`` maps it, FastAPI's
-validation errors, Starlette's HTTP errors and any other exception to that body.
+validation errors, Starlette's HTTP errors and any other exception to that body. On the Messages API's
+paths (/v1/messages*) the same statuses carry Anthropic's body instead (messages_errors.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashtier.engine.client import QueueFullError
+from flashtier.server.messages_errors import anthropic_error_body, is_messages_path
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ __all__ = [
     "NotFound",
     "ServiceUnavailable",
     "error_body",
+    "error_body_for_path",
     "error_response",
     "install_error_handlers",
 ]
@@ -88,15 +91,25 @@ def error_body(status: int, message: str, *, type: str | None = None, param: str
                       "param": param, "code": code}}
 
 
+def error_body_for_path(path: str, status: int, message: str, *, type: str | None = None,
+                        param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """``error_body``, or Anthropic's shape (type by status; no param/code) on the Messages API's paths."""
+    if is_messages_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, type=type, param=param, code=code)
+
+
 def error_response(status: int, message: str, *, type: str | None = None, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, type=type, param=param, code=code), status_code=status,
-                        headers=headers)
+                   code: str | None = None, headers: dict[str, str] | None = None,
+                   path: str = "") -> JSONResponse:
+    body = error_body_for_path(path, status, message, type=type, param=param, code=code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-def api_error_response(exc: APIError) -> JSONResponse:
+def api_error_response(exc: APIError, path: str = "") -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-    return error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code, headers=headers)
+    return error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code, headers=headers,
+                          path=path)
 
 
 def queue_full_error(exc: QueueFullError | None = None) -> APIError:
@@ -138,16 +151,16 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return api_error_response(exc)
+        return api_error_response(exc, request.url.path)
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return api_error_response(queue_full_error(exc))
+        return api_error_response(queue_full_error(exc), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc.errors())
-        return error_response(400, message, param=param)
+        return error_response(400, message, param=param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -162,9 +175,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail) if isinstance(exc.detail, str) else "request failed"
         if status >= 500:  # never echo internals
             message = "internal server error"
-        return error_response(status, message, headers=getattr(exc, "headers", None))
+        return error_response(status, message, headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(500, "internal server error; the details are in the server log")
+        return error_response(500, "internal server error; the details are in the server log",
+                              path=request.url.path)

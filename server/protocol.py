@@ -85,9 +85,33 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``: the schema is enforced by constrained decoding."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs`` (exactly one of the constraint fields); the legacy top-level
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` map onto it."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
@@ -121,6 +145,16 @@ class SamplingFields(_Request):
         default=None, description="isolates this request's cached KV in every tier (hashed into the namespace of "
                                   "its blocks): 1 to 256 printable characters, no control characters")
 
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="vLLM's constrained decoding: exactly one of json, regex, choice, grammar, "
+                                  "json_object")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="legacy alias of "
+                                                     "structured_outputs.json")
+    guided_regex: str | None = Field(default=None, description="legacy alias of structured_outputs.regex")
+    guided_choice: list[str] | None = Field(default=None, description="legacy alias of structured_outputs.choice")
+    guided_grammar: str | None = Field(default=None, description="legacy alias of structured_outputs.grammar")
+
     @field_validator("cache_salt")
     @classmethod
     def _printable_cache_salt(cls, value: str | None) -> str | None:
@@ -146,7 +180,6 @@ class ChatCompletionRequest(SamplingFields):
         default=None, description="`thinking` (alias `enable_thinking`): bool")
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
 

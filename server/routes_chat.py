@@ -25,17 +25,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from flashtier.server.chat_choice import ChatChoiceState
-from flashtier.server.chat_prompt import render_chat
-from flashtier.server.choice_text import ChoiceText, TextStep
-from flashtier.server.dsml import DsmlStreamParser
+from flashtier.server.chat_job import prepare_chat_job
+from flashtier.server.choice_text import TextStep
 from flashtier.server.dsml_events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from flashtier.server.engine_stream import EngineStream
-from flashtier.server.errors import BadRequest
 from flashtier.server.generation import Generation, json_response, stream_response
 from flashtier.server.protocol import ChatCompletionRequest
 from flashtier.server.protocol_responses import ChatCompletionResponse
-from flashtier.server.request_checks import check_common, resolve_max_tokens
-from flashtier.server.state import ServerState, build_sampling_params, chat_logprob_entry, get_state, stop_strings
+from flashtier.server.state import ServerState, chat_logprob_entry, get_state
 
 router = APIRouter()
 
@@ -43,48 +39,15 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    tracker = state.metrics.tracker()
-    engine = state.require_engine()
-    model = state.resolve_model(body.model)
-    check_common(state.settings, body)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise BadRequest(f"response_format {body.response_format.type!r} is not supported (no constrained "
-                         "decoding yet)", param="response_format")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-    prompt = await render_chat(state, body.messages, tools=body.tools, tool_choice=body.tool_choice,
-                               reasoning_effort=body.reasoning_effort,
-                               chat_template_kwargs=body.chat_template_kwargs,
-                               add_generation_prompt=body.add_generation_prompt)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = resolve_max_tokens(
-        len(prompt.ids), requested, engine.max_model_len, prompt_param="messages",
-        tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stops = stop_strings(body.stop)
-    choices = [
-        ChatChoiceState(
-            index=i,
-            text=ChoiceText(state.tokenizer, stops=stops, include_stop=body.include_stop_str_in_output,
-                            eos_token_id=engine.eos_token_id),
-            parser=DsmlStreamParser(prompt.thinking, prompt.tools_enabled),
-            parallel_tool_calls=body.parallel_tool_calls,
-            think_end_id=state.think_end_id,
-            in_reasoning=prompt.thinking,
-        )
-        for i in range(body.n)
-    ]
-    stream = EngineStream(engine, request_id, prompt.ids, params, state.cache_salt(request, body.cache_salt))
-    gen = Generation(request_id, model, "chat.completion.chunk", [stream], choices, tracker)
+    job = await prepare_chat_job(state, request, body, request_id=f"chatcmpl-{uuid.uuid4().hex}")
+    gen, top_logprobs = job.gen, job.top_logprobs
     if body.stream:
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         renderer = ChatStreamRenderer(gen, state, top_logprobs, include_usage, continuous)
         return await stream_response(gen, renderer, include_usage=include_usage)
-    return await json_response(request, gen, ChatBodyRenderer(gen, state, top_logprobs, prompt.thinking))
+    return await json_response(request, gen, ChatBodyRenderer(gen, state, top_logprobs, job.prompt.thinking))
 
 
 def _logprob_entries(state: ServerState, top_logprobs: int | None, step: TextStep) -> list[dict[str, Any]] | None:

@@ -24,6 +24,7 @@ from fastapi.responses import Response
 
 from flashtier.server.choice_text import ChoiceText, TextStep
 from flashtier.server.completion_choice import CompletionChoiceState
+from flashtier.server.constraint_request import completion_constraint
 from flashtier.server.engine_stream import EngineStream
 from flashtier.server.errors import BadRequest
 from flashtier.server.generation import Generation, json_response, stream_response
@@ -77,6 +78,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.echo and body.logprobs is not None:
         raise BadRequest("echo with logprobs needs prompt logprobs, which are not supported", param="echo")
     prompts = await _prompts(state, body.prompt)
+    spec = completion_constraint(body)
+    constraint = None if spec is None else await state.grammars.compile(
+        spec, vocab_size=engine.vocab_size, eos_token_id=engine.eos_token_id, begin_after_token=None)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     stops = stop_strings(body.stop)
     streams, echoes = [], []
@@ -84,7 +88,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     for i, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(prompt.ids), body.max_tokens, engine.max_model_len,
                                         prompt_param="prompt", tokens_param="max_tokens")
-        params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, constraint=constraint)
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         streams.append(EngineStream(engine, rid, prompt.ids, params, salt))
         echoes.append((prompt.text or state.tokenizer.decode(prompt.ids)) if body.echo else "")

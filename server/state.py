@@ -24,12 +24,15 @@ from typing import Any
 from starlette.requests import Request
 
 from flashtier.engine.client import EngineClient
+from flashtier.engine.output_constraint import OutputConstraint
 from flashtier.engine.outputs import CacheUsage, ResumeInfo, TokenLogprob
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.server.auth import authenticated_key
 from flashtier.server.errors import BadRequest, NotFound, ServiceUnavailable
+from flashtier.server.grammar_service import GrammarService
 from flashtier.server.metrics import ServerMetrics
 from flashtier.server.protocol import SamplingFields
+from flashtier.server.response_store import ResponseStore
 from flashtier.server.settings import ServerSettings
 from flashtier.server.token_texts import TokenTexts
 from flashtier.server.tokenizer import THINK_END, Tokenizer
@@ -52,6 +55,8 @@ class ServerState:
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self.think_end_id = tokenizer.token_to_id(THINK_END)
+        self.grammars = GrammarService(tokenizer)
+        self.response_store: ResponseStore | None = None  # built by create_app (response_store.py)
 
     def require_engine(self) -> EngineClient:
         engine = self.engine
@@ -103,7 +108,8 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def build_sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def build_sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                          constraint: OutputConstraint | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             n=body.n,
@@ -120,6 +126,7 @@ def build_sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: in
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
             logprobs=logprobs,
+            constraint=constraint,
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None

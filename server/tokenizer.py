@@ -128,6 +128,10 @@ class Tokenizer:
         """Every added token (control tokens such as `<｜User｜>`, `<think>`, `｜DSML｜`), text -> id, read-only."""
         return self._added
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's stored string (byte-level BPE form; added tokens as their text) -> id; a new dict."""
+        return self._tk.get_vocab(with_added_tokens=True)
+
     @property
     def special_ids(self) -> frozenset[int]:
         return frozenset(self._added.values())
