@@ -20,11 +20,12 @@ import xgrammar as xgr
 
 from flashtier.engine.output_constraint import ConstraintKind, ConstraintSpec, OutputConstraint
 
-__all__ = ["ConstraintError", "GrammarCompiler", "GrammarVocab"]
+__all__ = ["MAX_WHITESPACE", "ConstraintError", "GrammarCompiler", "GrammarVocab"]
 
-# JSON may carry at most this many whitespace characters in a row: a model that keeps choosing
-# whitespace (small or random models do) cannot run the answer to max_tokens inside one gap.
-MAX_JSON_WHITESPACE = 64
+# JSON (and the gaps of the tool-call markup) may carry at most this many whitespace characters in a
+# row: a model that keeps choosing whitespace (small or random models do) cannot run the answer to
+# max_tokens inside one gap. 32 still fits a newline plus seven levels of 4-space indentation.
+MAX_WHITESPACE = 32
 
 
 class ConstraintError(ValueError):
@@ -63,7 +64,7 @@ class GrammarCompiler:
         c = self._compiler
         kind = spec.kind
         if kind is ConstraintKind.JSON_SCHEMA:
-            return c.compile_json_schema(spec.source, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return c.compile_json_schema(spec.source, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
         if kind is ConstraintKind.JSON_OBJECT:
             return c.compile_builtin_json_grammar()
         if kind is ConstraintKind.REGEX:

@@ -26,10 +26,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashtier import __version__
 from flashtier.engine.client import EngineClient
-from flashtier.server import routes_chat, routes_completions, routes_misc
+from flashtier.server import routes_chat, routes_completions, routes_messages, routes_misc, routes_responses
 from flashtier.server.auth import APIKeyMiddleware, is_protected
-from flashtier.server.errors import error_body, install_error_handlers
+from flashtier.server.errors import error_body_for_path, install_error_handlers
 from flashtier.server.metrics import ServerMetrics
+from flashtier.server.response_store import open_response_store
 from flashtier.server.settings import DEMO_NOTE, ServerSettings
 from flashtier.server.state import ServerState
 from flashtier.server.tokenizer import Tokenizer
@@ -66,7 +67,8 @@ class RequestBodyMiddleware:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        too_large = error_body(413, f"the request body exceeds {self.max_bytes} bytes", code="request_too_large")
+        too_large = error_body_for_path(scope["path"], 413, f"the request body exceeds {self.max_bytes} bytes",
+                                        code="request_too_large")
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
         for k, v in scope["headers"]:
             if k == b"content-length":
@@ -94,8 +96,8 @@ class RequestBodyMiddleware:
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
-            await _send_json(send, 400, error_body(400, f"the request body is not valid UTF-8 (byte {exc.start})",
-                                                   code="invalid_utf8"))
+            await _send_json(send, 400, error_body_for_path(
+                scope["path"], 400, f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_utf8"))
             return
         replayed = False
 
@@ -151,7 +153,7 @@ def _openapi(app: FastAPI, settings: ServerSettings) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    generating = ("/v1/chat/completions", "/v1/completions")
+    generating = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
     for path, ops in schema.get("paths", {}).items():
         for method, op in ops.items():
             responses = op.setdefault("responses", {})
@@ -194,6 +196,7 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
     metrics = ServerMetrics(settings.model_name, max_model_len=settings.max_model_len or (1 << 20),
                             stats=engine_stats, ready=engine_ready, version=__version__, demo=settings.is_demo)
     state = holder["state"] = ServerState(settings, tokenizer, metrics)
+    responses = state.response_store = open_response_store(settings)  # no disk or network until used
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -208,6 +211,7 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
         finally:
             logger.info("stopping the engine (drain timeout %.1f s)", settings.drain_timeout_s)
             await engine.shutdown(settings.drain_timeout_s)
+            await responses.close()
 
     app = FastAPI(title="flashtier", version=__version__, lifespan=lifespan, openapi_url="/openapi.json",
                   docs_url="/docs", redoc_url=None)
@@ -216,6 +220,8 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
     app.include_router(routes_chat.router)
     app.include_router(routes_completions.router)
     app.include_router(routes_misc.router)
+    app.include_router(routes_messages.router)
+    app.include_router(routes_responses.router)
     # added last = outermost
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(APIKeyMiddleware, api_keys=settings.api_key)

@@ -21,6 +21,7 @@ from typing import Any
 import xgrammar as xgr
 from xgrammar.structural_tag import JSONSchemaFormat, OrFormat, StructuralTag
 
+from flashtier.engine.grammar_compiler import MAX_WHITESPACE
 from flashtier.engine.output_constraint import ConstraintKind, ConstraintSpec
 from flashtier.server.errors import BadRequest
 from flashtier.server.protocol import NamedToolChoice, SamplingFields, Tool
@@ -60,7 +61,8 @@ def chat_constraint(body: SamplingFields, tools: list[Tool] | None, tool_choice:
                              param=answer.label.split(".")[0])
         calls = _calls_tag(tools, "required", parallel_tool_calls)
         schema: dict[str, Any] | bool = json.loads(answer.source) if answer.kind is ConstraintKind.JSON_SCHEMA else True
-        either = StructuralTag(format=OrFormat(elements=[JSONSchemaFormat(json_schema=schema), calls.format]))
+        answer_format = JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_WHITESPACE)
+        either = StructuralTag(format=OrFormat(elements=[answer_format, calls.format]))
         return ConstraintSpec(ConstraintKind.STRUCTURAL_TAG, either.model_dump_json(), answer.label)
     if any(t.function.strict for t in tools):
         tag = _calls_tag(tools, "auto", parallel_tool_calls)
@@ -74,7 +76,8 @@ def _calls_tag(tools: list[Tool], mode: str, parallel: bool) -> StructuralTag:
               for t in tools]
     try:
         return xgr.get_model_structural_tag(MODEL_FORMAT, tools=params, tool_choice=_xgr_choice(mode, tools),
-                                            reasoning="disabled", parallel_tool_calls=parallel)
+                                            reasoning="disabled", parallel_tool_calls=parallel,
+                                            max_whitespace_cnt=MAX_WHITESPACE)
     except (ValueError, TypeError) as exc:
         raise BadRequest(f"tools: cannot build the tool-call grammar: {exc}", param="tools") from None
 

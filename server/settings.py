@@ -71,6 +71,7 @@ class ServerSettings:
     device: str | None = None
     dtype: str = "auto"
     weights_seed: int = 0
+    response_store_ttl_s: float = 24 * 3600.0  # --response-store-ttl (server/response_store.py)
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     cache_dir: str = field(default_factory=default_cache_dir)
 

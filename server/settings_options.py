@@ -251,6 +251,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("redis_url", "--redis-url", _redis_url, None, "Redis URL of the snapshot pool (redis://, "
            "rediss://, unix://, redis+cluster://); unset: an embedded in-process pool"),
     Option("snapshot_ttl_s", "--snapshot-ttl", _duration, 300.0, "TTL of SWA snapshots (e.g. 5m)"),
+    Option("response_store_ttl_s", "--response-store-ttl", _duration, 24 * 3600.0, "how long a stored "
+           "/v1/responses response (previous_response_id, GET) is kept: in Redis with --redis-url, else in "
+           "KV_DIR/responses (in memory with --no-kv-persist); e.g. 24h"),
     Option("resume_policy", "--resume-policy", _choice(*RESUME_POLICIES), "replay", "replay: a cached "
            "prefix without a snapshot resumes by the model's bounded replay (approximate window, reported "
            "as usage.flashtier.resume = replay); exact-or-cold: recompute instead (cold answers only)"),
