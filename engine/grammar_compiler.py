@@ -63,10 +63,11 @@ class GrammarCompiler:
     def _compile(self, spec: ConstraintSpec) -> xgr.CompiledGrammar:
         c = self._compiler
         kind = spec.kind
-        if kind is ConstraintKind.JSON_SCHEMA:
-            return c.compile_json_schema(spec.source, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
-        if kind is ConstraintKind.JSON_OBJECT:
-            return c.compile_builtin_json_grammar()
+        if kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT):
+            schema = spec.source if kind is ConstraintKind.JSON_SCHEMA else '{"type": "object"}'
+            if not spec.any_whitespace:
+                return c.compile_json_schema(schema, any_whitespace=False)
+            return c.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
         if kind is ConstraintKind.REGEX:
             return c.compile_regex(spec.source)
         if kind is ConstraintKind.CHOICE:

@@ -27,7 +27,7 @@ __all__ = ["ConstraintKind", "ConstraintSpec", "GrammarState", "OutputConstraint
 
 class ConstraintKind(str, enum.Enum):
     JSON_SCHEMA = "json_schema"  # source: the schema as JSON text
-    JSON_OBJECT = "json_object"  # any JSON value; source unused
+    JSON_OBJECT = "json_object"  # any JSON object; source unused
     REGEX = "regex"
     CHOICE = "choice"  # source: a JSON list of the allowed strings
     GRAMMAR = "grammar"  # source: EBNF (GBNF-style, as vLLM's `grammar`)
@@ -41,6 +41,7 @@ class ConstraintSpec:
     kind: ConstraintKind
     source: str
     label: str
+    any_whitespace: bool = True  # JSON: False writes it compact (vLLM's disable_any_whitespace)
 
 
 @dataclass(frozen=True, eq=False)

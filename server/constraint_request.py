@@ -15,6 +15,7 @@ two grammars) are a 400 naming both fields.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -29,6 +30,7 @@ from flashtier.server.protocol import NamedToolChoice, SamplingFields, Tool
 __all__ = ["chat_constraint", "completion_constraint"]
 
 MODEL_FORMAT = "deepseek_v4_1"
+CALL_WHITESPACE = 4  # most whitespace characters in a row inside a calls block
 
 
 def completion_constraint(body: SamplingFields) -> ConstraintSpec | None:
@@ -37,13 +39,21 @@ def completion_constraint(body: SamplingFields) -> ConstraintSpec | None:
     if len(specs) > 1:
         raise BadRequest(f"only one output constraint may be set; got {' and '.join(s.label for s in specs)}",
                          param=specs[1].label.split(".")[0])
-    return specs[0] if specs else None
+    if not specs:
+        return None
+    compact = body.structured_outputs is not None and body.structured_outputs.disable_any_whitespace
+    return dataclasses.replace(specs[0], any_whitespace=not compact)
 
 
 def chat_constraint(body: SamplingFields, tools: list[Tool] | None, tool_choice: Any,
                     parallel_tool_calls: bool) -> ConstraintSpec | None:
     """The grammar of a chat request: tool forcing and strict tools combined with its answer format."""
     answer = completion_constraint(body)
+    # The model writes its calls with one newline between tags and json.dumps spacing in values: a few
+    # whitespace characters in a row are all it needs (test_constraint_grammar checks its own format
+    # passes); compact output allows one.
+    compact = body.structured_outputs is not None and body.structured_outputs.disable_any_whitespace
+    ws = 1 if compact else CALL_WHITESPACE
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if not tools or choice == "none":
         return answer
@@ -53,31 +63,32 @@ def chat_constraint(body: SamplingFields, tools: list[Tool] | None, tool_choice:
                          f"{answer.label}", param="tool_choice")
     if forced:
         chosen = [t for t in tools if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name]
-        tag = _calls_tag(chosen, "forced" if isinstance(choice, NamedToolChoice) else "required", parallel_tool_calls)
+        tag = _calls_tag(chosen, "forced" if isinstance(choice, NamedToolChoice) else "required", parallel_tool_calls,
+                        ws)
         return ConstraintSpec(ConstraintKind.STRUCTURAL_TAG, tag.model_dump_json(), "tool_choice")
     if answer is not None:
         if answer.kind not in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT):
             raise BadRequest(f"{answer.label} cannot be combined with tools (only a JSON answer format can)",
                              param=answer.label.split(".")[0])
-        calls = _calls_tag(tools, "required", parallel_tool_calls)
+        calls = _calls_tag(tools, "required", parallel_tool_calls, ws)
         schema: dict[str, Any] | bool = json.loads(answer.source) if answer.kind is ConstraintKind.JSON_SCHEMA else True
-        answer_format = JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_WHITESPACE)
+        answer_format = JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1 if compact else MAX_WHITESPACE)
         either = StructuralTag(format=OrFormat(elements=[answer_format, calls.format]))
         return ConstraintSpec(ConstraintKind.STRUCTURAL_TAG, either.model_dump_json(), answer.label)
     if any(t.function.strict for t in tools):
-        tag = _calls_tag(tools, "auto", parallel_tool_calls)
+        tag = _calls_tag(tools, "auto", parallel_tool_calls, ws)
         return ConstraintSpec(ConstraintKind.STRUCTURAL_TAG, tag.model_dump_json(), "tools.strict")
     return None
 
 
-def _calls_tag(tools: list[Tool], mode: str, parallel: bool) -> StructuralTag:
+def _calls_tag(tools: list[Tool], mode: str, parallel: bool, whitespace: int) -> StructuralTag:
     params = [{"type": "function", "function": {"name": t.function.name,
                                                 "parameters": t.function.parameters or {"type": "object"}}}
               for t in tools]
     try:
         return xgr.get_model_structural_tag(MODEL_FORMAT, tools=params, tool_choice=_xgr_choice(mode, tools),
                                             reasoning="disabled", parallel_tool_calls=parallel,
-                                            max_whitespace_cnt=MAX_WHITESPACE)
+                                            max_whitespace_cnt=whitespace)
     except (ValueError, TypeError) as exc:
         raise BadRequest(f"tools: cannot build the tool-call grammar: {exc}", param="tools") from None
 

@@ -111,6 +111,8 @@ class StructuredOutputs(_Request):
     grammar: Annotated[str, Field(min_length=1)] | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
+    disable_any_whitespace: bool = Field(default=False, description="JSON is written compact (no free "
+                                         "whitespace); applies to response_format too")
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
 
 
@@ -140,6 +142,12 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    # vLLM fields that change the answer: declared (not dropped) so that semantic_fields.py refuses them
+    prompt_logprobs: Any = Field(default=None, description="not supported: 400 unless null")
+    use_beam_search: Any = Field(default=None, description="not supported: 400 unless null or false")
+    truncate_prompt_tokens: Any = Field(default=None, description="not supported: 400 unless null")
+    allowed_token_ids: Any = Field(default=None, description="not supported: 400 unless null")
+    bad_words: Any = Field(default=None, description="not supported: 400 unless null or empty")
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=CACHE_SALT_MAX_CHARS)] | None = Field(
         default=None, description="isolates this request's cached KV in every tier (hashed into the namespace of "
@@ -181,10 +189,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    return_token_ids: bool = Field(default=False, description="vLLM extension: the answer carries "
+                                   "prompt_token_ids, each choice (or chunk) its token_ids")
+    echo: Any = Field(default=None, description="vLLM's chat echo: not supported, 400 unless null or false")
+    continue_final_message: Any = Field(default=None, description="not supported: 400 unless null or false")
+    chat_template: Any = Field(default=None, description="not supported (the V4.1 template is built in): 400 "
+                               "unless null")
 
 
+# No max_length on prompt text: pydantic would build (and keep) a UTF-8 copy of the string to count it, 70 ms
+# and 2x the memory for a 20 MB prompt; the body limits (--max-request-bytes, --max-tokenize-bytes) bound it.
 PromptField = (
-    Annotated[str, Field(max_length=1 << 26)]
+    str
     | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     | Annotated[list[str], Field(min_length=1, max_length=64)]
     | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
@@ -207,7 +223,7 @@ class TokenizeRequest(_Request):
     """Either `prompt` (text, control tokens allowed) or `messages` (rendered as for chat)."""
 
     model: str | None = None
-    prompt: Annotated[str, Field(max_length=1 << 26)] | None = None
+    prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
