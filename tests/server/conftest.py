@@ -95,6 +95,8 @@ def restore_defaults(engine: ScriptedEngineClient, tokenizer: Tokenizer) -> None
 def run_server(tokenizer: Tokenizer, engine: ScriptedEngineClient | None = None,
                **overrides) -> Iterator[LiveServer]:
     engine = engine or default_engine(tokenizer)
+    if "kv_dir" not in overrides and "kv_persist" not in overrides:
+        overrides["kv_persist"] = False  # nothing under the user's cache dir (the response store stays in memory)
     settings = build_settings(None, {}, **overrides)
     app = create_app(settings, lambda s: engine, tokenizer=tokenizer)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

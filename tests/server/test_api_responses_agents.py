@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-import openai
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from pydantic import BaseModel
