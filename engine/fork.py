@@ -30,4 +30,5 @@ def fork(kvm: KVManager, parent: Sequence, child: Sequence) -> bool:
     child.kv.restore_private_state(parent.kv.private_state())
     child.kv.table.replace(ids)
     child.hashes = list(parent.hashes)
+    child.fork_block = parent.fork_block
     return True

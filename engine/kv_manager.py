@@ -19,7 +19,7 @@ from flashtier.engine.paged_entries import PagedEntries
 from flashtier.engine.paged_kv import PagedSequence
 from flashtier.engine.request import Sequence
 from flashtier.engine.window_rings import WindowRings
-from flashtier.kvstore.block_hash import BlockHash, hash_block
+from flashtier.kvstore.block_hash import BlockHash, fork_root, hash_block
 from flashtier.kvstore.block_pool import BlockPool, KVBlock
 from flashtier.kvstore.kv_pool import GlobalKVPool
 from flashtier.kvstore.layout import BlockLayout, KVGeometry
@@ -141,13 +141,21 @@ class KVManager:
     def cache_full_blocks(self, seq: Sequence, namespace: BlockHash) -> list[CachedBlock]:
         """Hash and register every block of ``seq`` that became full since the last call.
 
-        Mutates: ``seq.hashes`` and the prefix index. Returns the blocks registered, in order.
+        Provenance: a block holding an entry computed from a replayed (approximate) window state, at or
+        after ``seq.kv.replayed_from``, is hashed on the replayed fork (``fork_root``) when the chain has
+        not forked yet, so exact lookups never find it and lookups that follow the fork do.
+
+        Mutates: ``seq.hashes``, ``seq.fork_block`` and the prefix index. Returns the blocks registered.
         """
         bs, tokens = self.block_size, seq.kv.tokens
+        replayed_from = seq.kv.replayed_from
         new = []
         while (len(seq.hashes) + 1) * bs <= len(tokens) and len(seq.hashes) < len(seq.kv.table):
             k = len(seq.hashes)
-            h = hash_block(seq.hashes[-1] if seq.hashes else namespace, tokens[k * bs : (k + 1) * bs])
+            parent = seq.hashes[-1] if seq.hashes else namespace
+            if seq.fork_block is None and replayed_from is not None and (k + 1) * bs > replayed_from:
+                parent, seq.fork_block = fork_root(parent), k
+            h = hash_block(parent, tokens[k * bs : (k + 1) * bs])
             seq.hashes.append(h)
             block_id = seq.kv.table.ids[k]
             self.pool.cache_full_block(self.pool.blocks[block_id], h)

@@ -64,12 +64,19 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of its full blocks
+    fork_block: int | None = None  # hashes[fork_block:] are on the replayed fork (block_hash.fork_root)
     swapped: SwappedState | None = None  # preemption: private state + block images on the host
     grammar: GrammarState | None = None  # structured output: where this choice is in its grammar
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def take_hashes(self, hashes: list[BlockHash], n: int, fork_block: int | None) -> None:
+        """Adopt the first ``n`` of a chain whose blocks from ``fork_block`` on lie on a replayed fork.
+        Mutates ``hashes`` and ``fork_block``."""
+        self.hashes = list(hashes[:n])
+        self.fork_block = fork_block if fork_block is not None and n > fork_block else None
 
 
 @dataclass
@@ -91,6 +98,7 @@ class Request:
     snapshot_tokens: int = 0
     persisted: DurableBytes = field(default_factory=DurableBytes)  # fsynced SSD blocks + Redis snapshots
     hashes: list[BlockHash] = field(default_factory=list)  # the prompt's full-block hashes (tier lookups)
+    fork_block: int | None = None  # hashes[fork_block:] follow a replayed fork (approximate blocks)
     hbm_blocks: int = 0  # HBM hits pinned while LOADING
     lookup: concurrent.futures.Future[TierLookup] | None = None  # the pending tier lookup
     replayed_tokens: int = 0

@@ -81,10 +81,12 @@ class ResumeResult:
 
 def install_resume(
     kvm: KVManager, seq: Sequence, prompt: list[int], hashes: list[BlockHash], plan: ResumePlan,
-    fresh: list[KVBlock], *, allow_replay: bool = True,
+    fresh: list[KVBlock], *, allow_replay: bool = True, fork_block: int | None = None,
 ) -> ResumeResult:
     """Install ``plan`` into ``seq`` (its table holds the pinned HBM hits) using ``fresh`` blocks.
     Without ``allow_replay`` (policy exact-or-cold) a hit with no exact snapshot is a cold start.
+    ``hashes[fork_block:]`` lie on a replayed fork (the lookup followed it; the state resumed is then
+    approximate: a replayed snapshot, or a bounded replay over those blocks).
 
     Mutates: the pool (loads, registrations, releases), ``seq.kv`` and ``seq.hashes``. For REPLAY the
     caller still rewinds the sequence (``PagedSequence.rewind``). Failure: a snapshot that does not
@@ -96,7 +98,8 @@ def install_resume(
     for j, (block_id, image) in enumerate(zip(loaded, plan.ssd_images)):
         kvm.load_block(block_id, image, hashes[plan.hbm_blocks + j])
     if plan.point is None:
-        return _replay_or_cold(kvm, seq, hashes, hbm_ids + loaded, plan, invalid=False, allow_replay=allow_replay)
+        return _replay_or_cold(kvm, seq, hashes, hbm_ids + loaded, plan, invalid=False, allow_replay=allow_replay,
+                               fork_block=fork_block)
     keep = hbm_ids[: plan.keep_hbm]
     kvm.release(hbm_ids[plan.keep_hbm :])
     try:
@@ -106,21 +109,22 @@ def install_resume(
         log.warning("a snapshot failed validation (%s); falling back to bounded replay", exc)
         if plan.tail:
             kvm.release([fresh[-1].block_id])
-        return _replay_or_cold(kvm, seq, hashes, keep + loaded, plan, invalid=True, allow_replay=allow_replay)
+        return _replay_or_cold(kvm, seq, hashes, keep + loaded, plan, invalid=True, allow_replay=allow_replay,
+                               fork_block=fork_block)
     b = plan.point // bs
     table = keep + loaded + ([fresh[-1].block_id] if plan.tail else [])
     seq.kv.table.replace(table)
     seq.kv.install_snapshot(snap, prompt)
     if plan.tail:
         kvm.load_image(fresh[-1].block_id, snap.tail_image)
-    seq.hashes = list(hashes[:b])
+    seq.take_hashes(hashes, b, fork_block)
     return ResumeResult(ResumeKind.EXACT, plan.point, len(keep) * bs, len(loaded) * bs, plan.point - b * bs,
                         len(loaded), snapshot_invalid=False)
 
 
 def _replay_or_cold(
     kvm: KVManager, seq: Sequence, hashes: list[BlockHash], table: list[int], plan: ResumePlan, *, invalid: bool,
-    allow_replay: bool,
+    allow_replay: bool, fork_block: int | None,
 ) -> ResumeResult:
     """Without a snapshot: bounded replay from the block-aligned hit, or a cold start (below the window,
     or a replay the policy does not allow: replaying from exactly R = window is exact, so it stays)."""
@@ -130,8 +134,8 @@ def _replay_or_cold(
     loaded = len(plan.ssd_images)
     if n_blocks * bs < w or (not allow_replay and n_blocks * bs > w):
         kvm.free(seq.kv)
-        seq.hashes = []
+        seq.take_hashes(hashes, 0, None)
         return ResumeResult(ResumeKind.COLD, 0, 0, 0, 0, loaded, invalid)
-    seq.hashes = list(hashes[:n_blocks])
+    seq.take_hashes(hashes, n_blocks, fork_block)
     hbm = min(plan.hbm_blocks, n_blocks)
     return ResumeResult(ResumeKind.REPLAY, n_blocks * bs, hbm * bs, (n_blocks - hbm) * bs, 0, loaded, invalid)

@@ -36,7 +36,7 @@ from flashtier.engine.request_state import RUNNING, RequestStatus, transition
 from flashtier.engine.resume import ResumeKind, install_resume, plan_resume
 from flashtier.engine.scheduler_output import DecoderKind, DecoderWork, EncoderWork, SchedulerOutput
 from flashtier.engine.tier_client import TierClient
-from flashtier.kvstore.block_hash import hash_blocks
+from flashtier.kvstore.block_hash import fork_chain, hash_blocks
 
 S = RequestStatus
 
@@ -159,6 +159,15 @@ class Scheduler:
         bs = self.kvm.block_size
         hashes = hash_blocks(req.namespace, req.prompt, bs)
         matched = self.kvm.match_prefix(hashes)
+        fork_block = None
+        if self.allow_replay and len(matched) < len(hashes):
+            # a conversation that went through a bounded replay continues on its replayed fork (approximate
+            # blocks, never found as exact); resuming over them is a replay, reported as such
+            forked = fork_chain(hashes, req.namespace, req.prompt, bs, len(matched))
+            on_fork = self.kvm.match_prefix(forked)
+            if len(on_fork) > len(matched):
+                hashes, matched, fork_block = forked, on_fork, len(matched)
+        req.fork_block = fork_block
         self.stats.prefix_queries_tokens += len(req.prompt)
         if self.tiers is not None:  # pin every HBM hit while the tiers are asked for more
             self.kvm.pin(matched)
@@ -171,7 +180,7 @@ class Scheduler:
         k = len(matched) if r == self.window or (r > self.window and self.allow_replay) else 0
         self.kvm.pin(matched[:k])
         seq.kv.table.replace(matched[:k])
-        seq.hashes = list(hashes[:k])
+        seq.take_hashes(hashes, k, fork_block)
         if k:
             self._start_replay(req, seq, k * bs)
             req.hbm_tokens = k * bs
@@ -198,12 +207,16 @@ class Scheduler:
 
     def _resume(self, req: Request) -> bool:
         """LOADING -> PREFILL with the finished lookup installed; False (stay LOADING) if the pool is short."""
-        plan = plan_resume(req.lookup.result(), req.hbm_blocks, self.kvm.block_size)
+        lookup = req.lookup.result()
+        plan = plan_resume(lookup, req.hbm_blocks, self.kvm.block_size)
         fresh = self.kvm.allocate(plan.num_new_blocks)
         if fresh is None:
             return False
+        if lookup.fork is not None:  # the SSD blocks after the HBM hits follow a replayed fork
+            req.hashes, req.fork_block = list(lookup.fork.hashes), lookup.fork.block
         seq = req.seqs[0]
-        res = install_resume(self.kvm, seq, req.prompt, req.hashes, plan, fresh, allow_replay=self.allow_replay)
+        res = install_resume(self.kvm, seq, req.prompt, req.hashes, plan, fresh, allow_replay=self.allow_replay,
+                             fork_block=req.fork_block)
         self.tiers.count_resume(plan, res)
         req.lookup = None
         if res.kind is ResumeKind.EXACT:

@@ -27,7 +27,8 @@ class TierClient:
     def start_lookup(self, req: Request) -> concurrent.futures.Future[TierLookup]:
         """Ask the tiers for SSD blocks after the request's ``hbm_blocks`` HBM hits and a snapshot."""
         q = LookupQuery(req.namespace, req.prompt, req.hashes, req.hbm_blocks, self.kvm.block_size,
-                        self.kvm.spec.window, replayed_namespace(req.namespace) if self.allow_replay else None)
+                        self.kvm.spec.window, replayed_namespace(req.namespace) if self.allow_replay else None,
+                        req.fork_block)
         return self.tiers.lookup(q)
 
     def write_through(self, req: Request, blocks: list[CachedBlock]) -> None:

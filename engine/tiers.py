@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flashtier.engine.snapshot_search import SnapshotQuery, find_snapshot
-from flashtier.kvstore.block_hash import BlockHash
+from flashtier.kvstore.block_hash import BlockHash, fork_chain
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.redis_snapshot_pool import snapshot_pool_from_config
 from flashtier.kvstore.snapshot import SnapshotKey
@@ -38,6 +38,15 @@ class LookupQuery:
     block_size: int
     window: int
     replayed_namespace: BlockHash | None = None  # also resume replayed states (resume policy "replay")
+    fork_block: int | None = None  # hashes[fork_block:] already follow a replayed fork (found in HBM)
+
+
+@dataclass(frozen=True)
+class ForkedChain:
+    """The lookup left the exact chain at ``block`` (an SSD miss) and found more on the replayed fork."""
+
+    hashes: tuple[BlockHash, ...]
+    block: int
 
 
 class SnapshotOutcome(enum.Enum):
@@ -57,6 +66,7 @@ class TierLookup:
     snapshot_point: int | None = None  # P of the snapshot found (None: no usable snapshot)
     snapshot_payload: bytes | None = None
     outcome: SnapshotOutcome = SnapshotOutcome.MISS
+    fork: ForkedChain | None = None  # set when the blocks after the HBM hits follow a replayed fork
 
 
 @dataclass
@@ -145,13 +155,17 @@ class TierManager:
 
     async def _lookup_inner(self, q: LookupQuery) -> TierLookup:
         bs, n = q.block_size, len(q.prompt)
-        available = q.hbm_blocks
-        if self.ssd is not None:
-            while available < len(q.hashes) and self.ssd.entry(q.hashes[available]) is not None:
-                available += 1
+        hashes, available, fork = q.hashes, self._on_ssd(q.hashes, q.hbm_blocks), None
+        if q.replayed_namespace is not None and q.fork_block is None and available < len(hashes):
+            # where the exact chain ends, a conversation that went through a bounded replay goes on along its
+            # replayed fork (block_hash.fork_root): approximate blocks, resumed only as a replay
+            forked = fork_chain(hashes, q.namespace, q.prompt, bs, available)
+            further = self._on_ssd(forked, available)
+            if further > available:
+                hashes, fork, available = forked, ForkedChain(tuple(forked), available), further
         # the longest snapshot point P <= n - window whose full blocks are all available
         best_b = min(available, max(0, n - q.window) // bs)
-        query = SnapshotQuery(q.namespace, q.replayed_namespace, q.prompt, q.hashes, bs, q.window)
+        query = SnapshotQuery(q.namespace, q.replayed_namespace, q.prompt, hashes, bs, q.window)
         found = await find_snapshot(self.snapshots, query, best_b)
         point, payload = found.point, found.payload
         result = (SnapshotOutcome.HIT if point is not None else SnapshotOutcome.ERROR if found.failed else
@@ -159,14 +173,22 @@ class TierManager:
         need = available if point is None else point // bs
         images: list[bytes] = []
         if self.ssd is not None and need > q.hbm_blocks:
-            got = await self._loop.run_in_executor(None, self.ssd.get_many, q.hashes[q.hbm_blocks : need])
+            got = await self._loop.run_in_executor(None, self.ssd.get_many, hashes[q.hbm_blocks : need])
             for image in got:
                 if image is None:
                     break
                 images.append(image)
             if len(images) < need - q.hbm_blocks and point is not None:
                 point, payload, result = None, None, SnapshotOutcome.MISS  # a block under it vanished
-        return TierLookup(tuple(images), point, payload, result)
+        return TierLookup(tuple(images), point, payload, result, fork)
+
+    def _on_ssd(self, hashes: list[BlockHash], start: int) -> int:
+        """How far the run of ``hashes`` from ``start`` is in the SSD index (``start`` without an SSD tier)."""
+        end = start
+        if self.ssd is not None:
+            while end < len(hashes) and self.ssd.entry(hashes[end]) is not None:
+                end += 1
+        return end
 
     def close(self) -> None:
         for fut in list(self._pending):

@@ -89,9 +89,24 @@ def replayed_namespace(namespace: BlockHash) -> BlockHash:
     """Where snapshots of *replayed* (approximate) window states of ``namespace`` live.
 
     A state computed by bounded replay must never be stored where an exact one is, nor looked up as
-    exact: its snapshots use this derived root in their keys, their blocks' chain stays the same.
+    exact: its snapshots use this derived root in their keys.
     """
     return BlockHash(xxhash.xxh3_128_digest(_NS_TAG + b"replayed\x00" + namespace.digest))
+
+
+def fork_root(parent: BlockHash) -> BlockHash:
+    """What the first block computed from a replayed (approximate) state hangs from instead of its exact
+    parent ``parent`` (the previous block's hash or the namespace). Its chain, and every block after it,
+    leaves the exact chain for good, so an approximate block is never found by an exact lookup."""
+    return BlockHash(xxhash.xxh3_128_digest(_NS_TAG + b"replayed-fork\x00" + parent.digest))
+
+
+def fork_chain(hashes: Sequence[BlockHash], namespace: BlockHash, token_ids: Sequence[int], block_size: int,
+               at: int) -> list[BlockHash]:
+    """``hashes[:at]`` (the exact chain), then blocks ``at``.. of ``token_ids`` on the replayed fork that
+    leaves the exact chain at block ``at`` (see ``fork_root``)."""
+    parent = hashes[at - 1] if at else namespace
+    return list(hashes[:at]) + hash_blocks(fork_root(parent), token_ids[at * block_size :], block_size)
 
 
 def _encode_tokens(token_ids: Sequence[int]) -> bytes:

@@ -20,9 +20,8 @@ counters: ``unknown``, length checked only).
 
 The oracle follows a conversation's encoder restarts: a replay from R2 on top of blocks that an earlier
 replay from R1 wrote is a cold run to R1, a restart at R1 - W, a restart at R2 - W (``Oracle.replay``).
-A turn is ``exposed`` to KNOWN_BUG (below) when it resumes exactly after a replay of its conversation, or
-comes after such a turn: the scenario tests count its wrong tokens apart and then xfail; a wrong turn that
-is not exposed fails them.
+A turn is ``exposed`` when it resumes exactly after a replay of its conversation, or comes after such a
+turn (see below); every turn must be right, exposed or not.
 
 Processes: every server and Redis a test starts is stopped by pid in a ``finally`` (``FaultServer.stop``
 / ``kill``, ``RedisServer.stop``); nothing listens outside 127.0.0.1. Servers run with
@@ -270,15 +269,10 @@ class Oracle:
 
 # ---- conversations and verification ---------------------------------------------------------------------
 
-KNOWN_BUG = (
-    "blocks computed after a bounded replay (an approximate window state) are registered under the prompt's "
-    "exact hash chain, in the HBM prefix cache (engine/postprocess.py -> KVManager.cache_full_blocks) and on the "
-    "SSD (write-through); an exact snapshot whose point lies beyond the replay point R (an older one the replay "
-    "could not use because blocks under it were missing, or one put by a later exact recompute, which cannot "
-    "replace the cached blocks: BlockPool keeps the first block of a hash, TierManager.write_block skips keys "
-    "already on the SSD) is then resumed over those approximate blocks: usage.flashtier.resume.kind 'exact', "
-    "tokens different from a cold run (tests/faults/test_replayed_blocks.py)"
-)
+# A turn is "exposed" when it resumes exactly after a replay of its conversation (or comes after such a
+# turn). Before block provenance (kvstore/block_hash.fork_root) blocks computed from a replayed window state
+# were registered under the exact hash chain and such turns could resume an exact snapshot over them with
+# wrong tokens (tests/faults/test_replayed_blocks.py); the tallies still count them apart.
 
 
 @dataclass
@@ -292,7 +286,7 @@ class Conversation:
     turns: int = 0
     restarts: list[int] = field(default_factory=list)  # encoder restarts (replay points R) its state descends from
     replayed: bool = False  # some turn resumed by bounded replay: approximate blocks are in the prefix cache
-    mixed: bool = False  # ... and a later turn resumed exactly or ran cold (see KNOWN_BUG)
+    mixed: bool = False  # ... and a later turn resumed exactly or ran cold (an exposed conversation)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -316,7 +310,7 @@ class Turn:
     replay_from: int | None = None
     restarts: list[int] = field(default_factory=list)  # replay: the encoder restarts the oracle must make
     checked: str = ""  # cold | oracle | length
-    exposed: bool = False  # KNOWN_BUG can change its tokens: an exact resume after a replay, or any resume after that
+    exposed: bool = False  # an exact resume after a replay, or any resume after that
     wrong: bool = False
     detail: str = ""
 
@@ -393,7 +387,7 @@ class Tally:
     http_errors: int = 0  # any other status
     server_errors: int = 0  # 5xx
     wrong: int = 0
-    wrong_exposed: int = 0  # of ``wrong``: turns exposed to KNOWN_BUG
+    wrong_exposed: int = 0  # of ``wrong``: turns exposed (see above)
     kinds: dict[str, int] = field(default_factory=dict)  # answered turns by resume kind
     checked: dict[str, int] = field(default_factory=dict)  # answered turns by reference (cold / oracle / length)
     observed: dict[str, float] = field(default_factory=dict)  # metrics / log lines

@@ -7,14 +7,14 @@ One conversation, one server (SSD tier + a real redis-server), sequential turns:
     T2  T1 + out + 48               exact (T1's generation-end snapshot at 303)
         -- Redis SIGSTOPped --
     T3  T2 + out + 48               the lookup times out: bounded replay from R = 352; the blocks it fills
-                                    ([352, 400)) hold an approximate state, registered under the prompt's hashes
+                                    ([320, 400) onward) hold an approximate state: hashed on the replayed fork
         -- SIGCONT, the breaker's back-off passes --
-    T4  T3 + out + 48               exact: T2's snapshot at 355 is found, [355, n) is recomputed exactly; its
-                                    full blocks have the same hashes as T3's, so the prefix cache keeps T3's
-    T5  T4 + out + 48               exact: T4's snapshot at 459 over the cached blocks [0, 448), which
-                                    include T3's approximate [352, 400) -> tokens differ from a cold run
+    T4  T3 + out + 48               exact: T2's snapshot at 355 is found, [355, n) is recomputed exactly and
+                                    its blocks registered under the exact chain (T3's stay on the fork)
+    T5  T4 + out + 48               exact: T4's snapshot at 459 over T4's exact blocks [0, 448)
 
-Expected failure until the product fixes it (KNOWN_BUG in conftest.py); strict, so the fix is noticed.
+Before block provenance (kvstore/block_hash.fork_root) T3's approximate blocks were registered under the
+exact chain, T4 could not replace them, and T5 resumed "exactly" over them: tokens differed from a cold run.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import time
 import pytest
 
 from ..kvstore.redis_server import RedisServer
-from .conftest import KNOWN_BUG, Conversation, FaultServer, Tally, Turn, dump_trace, record, verify, wrong_turns
+from .conftest import Conversation, FaultServer, Tally, Turn, dump_trace, record, verify, wrong_turns
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUG)
 def test_exact_resume_after_a_replayed_turn_equals_cold(tmp_path, fault_cache, cold, oracle):
     t0 = time.monotonic()
     redis = RedisServer()

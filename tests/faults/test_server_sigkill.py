@@ -9,9 +9,8 @@ server's tokens (or, if it resumed by bounded replay, the oracle's plan (c)); th
 conversation after a restart must resume from the tiers (cached tokens > 0, some of them from the SSD).
 
 A restart can make a turn a bounded replay even with Redis up (the new server's first Redis call can
-exceed the 0.25 s timeout on a loaded machine: a counted miss). A conversation that replayed can later
-resume an exact snapshot over the replayed blocks (KNOWN_BUG in conftest.py): such wrong turns make the
-test xfail; a wrong turn anywhere else fails it.
+exceed the 0.25 s timeout on a loaded machine: a counted miss). Every turn must be right, also the
+exact resumes of a conversation that replayed earlier (block provenance, see conftest.py).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import time
 import pytest
 
 from ..kvstore.redis_server import RedisServer
-from .conftest import KNOWN_BUG, Conversation, FaultServer, Load, Tally, dump_trace, verify, wrong_turns
+from .conftest import Conversation, FaultServer, Load, Tally, dump_trace, verify, wrong_turns
 
 KILLS = 3
 CLIENTS = 3
@@ -78,9 +77,7 @@ def test_sigkill_under_load_then_restart_answers_equal_cold(tmp_path, fault_cach
         }
         assert tally.no_answer > 0  # the kills really cut requests off
         assert tally.server_errors == 0 and tally.http_errors == 0
-        assert tally.wrong == tally.wrong_exposed, "\n".join(wrong_turns(turns, exposed=False))
-        if tally.wrong_exposed:
-            pytest.xfail(f"{tally.wrong_exposed} wrong turns, all exact resumes after a replay: {KNOWN_BUG}")
+        assert tally.wrong == 0, "\n".join(wrong_turns(turns))
     finally:
         if srv is not None:
             srv.kill()

@@ -11,8 +11,7 @@ Three clients run conversations; the SSD writes soon fail with ENOSPC. Then:
 - the server is stopped and restarted on the same directory (whose segments hold the tails of failed
   appends): the start-up scan accepts it, and each conversation's next turn resumes from the SSD with a
   right answer: exact where the blocks under a snapshot were written, else a bounded replay from the
-  blocks that were (the oracle's plan (c)). One turn each only: a second turn of a conversation that
-  replayed would resume Redis's older exact snapshot over the replayed blocks (KNOWN_BUG, conftest.py).
+  blocks that were (the oracle's plan (c)).
 """
 
 from __future__ import annotations
