@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MESSAGES_PREFIX", "anthropic_error_body", "anthropic_error_type", "is_messages_path"]
+__all__ = ["ANTHROPIC_ERROR_SCHEMA", "MESSAGES_PREFIX", "anthropic_error_body", "anthropic_error_type",
+           "is_messages_path"]
 
 MESSAGES_PREFIX = "/v1/messages"
 
@@ -33,6 +34,17 @@ _TYPES = {
     500: "api_error",
     503: "overloaded_error",
     529: "overloaded_error",
+}
+
+
+# the shape in /openapi.json (the schemathesis suite checks every error of these paths against it)
+ANTHROPIC_ERROR_SCHEMA: dict[str, Any] = {
+    "title": "AnthropicErrorResponse", "type": "object", "required": ["type", "error"], "additionalProperties": False,
+    "properties": {
+        "type": {"type": "string", "enum": ["error"]},
+        "error": {"type": "object", "required": ["type", "message"], "additionalProperties": False,
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+    },
 }
 
 

@@ -68,7 +68,11 @@ def _text_parts(blocks: list[Any], where: str) -> list[dict[str, str]]:
     for j, block in enumerate(blocks):
         if isinstance(block, (ImageBlock, DocumentBlock)):
             raise _unsupported(block, f"{where}[{j}]")
-        parts.append({"type": "text", "text": block.text})
+        text = getattr(block, "text", None)
+        if not isinstance(text, str):  # tool_use / thinking / tool_result blocks have no place here
+            raise BadRequest(f"{where}[{j}]: a {block.type} block is not allowed here (text blocks only)",
+                             param=f"{where}[{j}]")
+        parts.append({"type": "text", "text": text})
     return parts
 
 

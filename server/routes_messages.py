@@ -55,9 +55,8 @@ async def _translate(state: ServerState, request: Request, body: MessagesPrompt)
     return to_chat_request(body, default_thinking=state.settings.default_thinking)
 
 
-# Not in /openapi.json: that document (and the schemathesis suite built from it) describes OpenAI-shaped
-# errors for every route; these answer in Anthropic's shape, which docs/api.md documents instead.
-@router.post("/v1/messages", include_in_schema=False)
+# In /openapi.json with their errors in Anthropic's shape (app.py), so the schemathesis suite fuzzes them too.
+@router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     state = get_state(request)
     chat = await _translate(state, request, body)
@@ -67,7 +66,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     return await json_response(request, job.gen, MessageBodyRenderer(job.gen))
 
 
-@router.post("/v1/messages/count_tokens", include_in_schema=False)
+@router.post("/v1/messages/count_tokens")
 async def count_tokens(body: MessagesPrompt, request: Request) -> JSONResponse:
     """The prompt length /v1/messages would send the engine; needs no engine, but the model must resolve."""
     state = get_state(request)

@@ -222,6 +222,13 @@ def test_system_blocks_and_a_stray_system_role(server):
             "messages": [{"role": "system", "content": "Be brief.\n\nAnd kind."}, *USER]})
     assert r.status_code == 200, r.text
     assert list(server.engine.calls[-1].prompt_token_ids) == expected
+    with server.http() as http:  # found by the schemathesis suite: a tool_use block in a system entry was a 500
+        r = http.post("/v1/messages", json={
+            "model": server.settings.model_name, "max_tokens": 16,
+            "messages": [{"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                         *USER]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "tool_use block is not allowed here" in r.json()["error"]["message"]
 
 
 def test_stop_sequences_and_max_tokens(server):
