@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # The demo server on the embedded defaults: the tiny model with seeded random weights, 127.0.0.1:8000.
+# ARGS go to `flashtier serve`: make serve ARGS="--port 9000"
+ARGS ?=
 serve: $(STAMP)
-	$(VENV)/bin/flashtier serve
+	$(VENV)/bin/flashtier serve $(ARGS)
 
 test: $(STAMP) $(SYS_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu"

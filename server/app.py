@@ -1,6 +1,13 @@
 """The FastAPI app: ``create_app(settings, engine_client_factory)``.
 
-    client ─▶ HTTPMetrics ─▶ APIKey (/v1/*) ─▶ RequestBody (413, UTF-8) ─▶ FastAPI routes ─▶ EngineClient
+    client ─▶ HTTPMetrics ─▶ RequestId ─▶ CORS ─▶ APIKey ─▶ RequestBody (413, UTF-8) ─▶ FastAPI routes
+                                                                                            ─▶ EngineClient
+
+RequestId echoes a client's X-Request-Id (request_id.py); CORS is Starlette's, only with
+--allowed-origins; APIKey guards /v1/*, /tokenize and /detokenize (auth.py); RequestBody applies
+--max-tokenize-bytes to /tokenize and /detokenize and --max-request-bytes to every other route.
+Large bodies are checked for UTF-8 on the frontend pool, parsed and validated there (pooled_route.py),
+and once such a request is answered the pool hands the freed heap back to the system (frontend_pool.py).
 
 The lifespan builds the engine client with the factory (a plain or async callable taking the
 settings; the CLI passes one that builds the ``AsyncEngine``, tests a test double), and at shutdown
@@ -14,6 +21,8 @@ The served OpenAPI document (/openapi.json) lists the error responses each route
 
 from __future__ import annotations
 
+import codecs
+import gc
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +31,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashtier import __version__
@@ -29,9 +39,13 @@ from flashtier.engine.client import EngineClient
 from flashtier.server import routes_chat, routes_completions, routes_messages, routes_misc, routes_responses
 from flashtier.server.auth import APIKeyMiddleware, is_protected
 from flashtier.server.errors import error_body_for_path, install_error_handlers
+from flashtier.server.frontend_pool import FrontendPool
+from flashtier.server.messages_errors import ANTHROPIC_ERROR_SCHEMA, is_messages_path
 from flashtier.server.metrics import ServerMetrics
+from flashtier.server.request_id import RequestIdMiddleware
 from flashtier.server.response_store import open_response_store
-from flashtier.server.settings import DEMO_NOTE, ServerSettings
+from flashtier.server.settings import ServerSettings
+from flashtier.server.startup_log import log_startup
 from flashtier.server.state import ServerState
 from flashtier.server.tokenizer import Tokenizer
 
@@ -39,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 EngineClientFactory = Callable[[ServerSettings], EngineClient | Awaitable[EngineClient]]
 _BODY_METHODS = ("POST", "PUT", "PATCH")
+TOKENIZE_PATHS = ("/tokenize", "/detokenize")  # body limit: --max-tokenize-bytes
+LARGE_BODY_BYTES = 1 << 20  # above: UTF-8 checked on the pool, heap trimmed after the answer
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
@@ -59,15 +75,21 @@ class RequestBodyMiddleware:
     type (``curl -d`` sends form encoding) is treated as application/json.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, *, path_limits: dict[str, int] | None = None,
+                 pool: FrontendPool | None = None) -> None:
+        """`path_limits`: a smaller limit for some paths; `pool`: where large bodies are checked, and
+        whose ``release_memory`` runs after a request with one (None: inline, no trim)."""
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = dict(path_limits or {})
+        self.pool = pool
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        too_large = error_body_for_path(scope["path"], 413, f"the request body exceeds {self.max_bytes} bytes",
+        limit = self.path_limits.get(scope["path"], self.max_bytes)
+        too_large = error_body_for_path(scope["path"], 413, f"the request body exceeds {limit} bytes",
                                         code="request_too_large")
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
         for k, v in scope["headers"]:
@@ -76,7 +98,7 @@ class RequestBodyMiddleware:
                     declared = int(v)
                 except ValueError:
                     declared = 0
-                if declared > self.max_bytes:
+                if declared > limit:
                     await _send_json(send, 413, too_large)
                     return
         chunks, total = [], 0
@@ -86,15 +108,20 @@ class RequestBodyMiddleware:
                 return
             chunk = message.get("body", b"")
             total += len(chunk)
-            if total > self.max_bytes:
+            if total > limit:
                 await _send_json(send, 413, too_large)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        del chunks
+        pool = self.pool if len(body) > LARGE_BODY_BYTES else None
         try:
-            body.decode("utf-8")
+            if pool is not None:
+                await pool.run(_check_utf8, body)
+            else:
+                _check_utf8(body)
         except UnicodeDecodeError as exc:
             await _send_json(send, 400, error_body_for_path(
                 scope["path"], 400, f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_utf8"))
@@ -109,7 +136,25 @@ class RequestBodyMiddleware:
             return await receive()
 
         scope["headers"] = [*headers, (b"content-type", b"application/json")]  # in place: outer layers read it
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if pool is not None:
+                body = b""  # the replay closure's reference; the route's are gone with its Request
+                pool.release_memory()
+
+
+def _check_utf8(body: bytes, step: int = 1 << 20) -> None:
+    """UnicodeDecodeError (``start`` = the offset in `body`) unless `body` is UTF-8. Decoded `step` bytes at
+    a time (a character split between steps is carried over), so no call holds the GIL long."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    for at in range(0, len(body), step):
+        carried = len(decoder.getstate()[0])
+        try:
+            decoder.decode(body[at:at + step], final=at + step >= len(body))
+        except UnicodeDecodeError as exc:
+            exc.start += at - carried
+            raise
 
 
 class HTTPMetricsMiddleware:
@@ -139,9 +184,9 @@ class HTTPMetricsMiddleware:
             self.metrics.http.labels(scope["method"], template, str(status)).inc()
 
 
-def _error_response(description: str) -> dict[str, Any]:
+def _error_response(description: str, shape: str = "ErrorResponse") -> dict[str, Any]:
     return {"description": description,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
 
 
 def _openapi(app: FastAPI, settings: ServerSettings) -> dict[str, Any]:
@@ -153,8 +198,10 @@ def _openapi(app: FastAPI, settings: ServerSettings) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    generating = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+    components["AnthropicErrorResponse"] = ANTHROPIC_ERROR_SCHEMA
+    generating = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
     for path, ops in schema.get("paths", {}).items():
+        shape = "AnthropicErrorResponse" if is_messages_path(path) else "ErrorResponse"
         for method, op in ops.items():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
@@ -173,6 +220,9 @@ def _openapi(app: FastAPI, settings: ServerSettings) -> dict[str, Any]:
                 sse_event = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
                 responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": sse_event}
             responses["500"] = _error_response("Internal error (no details are returned)")
+            for status, response in responses.items():
+                if status[0] in "45":  # the Messages API answers errors in Anthropic's shape
+                    response.update(_error_response(response["description"], shape))
     app.openapi_schema = schema
     return schema
 
@@ -200,18 +250,22 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.is_demo:
-            logger.warning("%s", DEMO_NOTE)
         built = engine_client_factory(settings)
         engine: EngineClient = await built if inspect.isawaitable(built) else built
         state.engine = engine
         logger.info("serving %s (max_model_len %s)", list(settings.model_names), engine.max_model_len)
+        log_startup(settings, engine)  # device, pool, tiers, URL; the demo note as INFO
+        # Start-up objects (torch, the model, pydantic schemas) never die: freeze them out of the cyclic GC, whose
+        # full collections otherwise walk them all (~150 ms on the event loop, measured) while requests wait.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
             logger.info("stopping the engine (drain timeout %.1f s)", settings.drain_timeout_s)
             await engine.shutdown(settings.drain_timeout_s)
             await responses.close()
+            state.cpu_pool.shutdown()
 
     app = FastAPI(title="flashtier", version=__version__, lifespan=lifespan, openapi_url="/openapi.json",
                   docs_url="/docs", redoc_url=None)
@@ -223,8 +277,14 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
     app.include_router(routes_messages.router)
     app.include_router(routes_responses.router)
     # added last = outermost
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_request_bytes, pool=state.cpu_pool,
+                       path_limits=dict.fromkeys(TOKENIZE_PATHS, settings.max_tokenize_bytes))
     app.add_middleware(APIKeyMiddleware, api_keys=settings.api_key)
+    if settings.allowed_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                           allow_credentials=settings.allow_credentials, expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     return app

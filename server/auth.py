@@ -1,8 +1,9 @@
 """API-key check on /v1/*: ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (Anthropic's header, sent by
 the ``anthropic`` SDK and Claude Code) must name one of the configured keys; either header may carry it.
 
-Only paths under /v1 are guarded (as vLLM does): /health and /metrics stay open for load balancers
-and Prometheus, as do /tokenize, /detokenize and the OpenAPI document. With no key configured every
+Paths under /v1 are guarded (as vLLM does), and so are /tokenize and /detokenize (they spend CPU on
+whatever text a caller sends); /health, /metrics and /version stay open for load balancers and
+Prometheus, as does the OpenAPI document. With no key configured every
 path is open. Keys are compared in constant time; the scheme name is case-insensitive. The 401 is in
 OpenAI's error shape, or Anthropic's on /v1/messages*.
 
@@ -21,11 +22,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from flashtier.server.errors import error_body_for_path
 
 PROTECTED_PREFIX = "/v1"
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})  # outside /v1, but they take a body of text to process
 SCOPE_KEY = "flashtier.api_key"  # where the middleware leaves the key a request was let in with
 
 
 def is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    """Whether `path` needs a key (when keys are configured): /v1 and below, /tokenize, /detokenize."""
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS
 
 
 def authenticated_key(scope: Scope) -> str | None:

@@ -61,7 +61,8 @@ async def prepare_chat_job(state: ServerState, request: Request, body: ChatCompl
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = resolve_max_tokens(
         len(prompt.ids), requested, engine.max_model_len, prompt_param="messages",
-        tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+        default=state.settings.max_tokens_default)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     spec = chat_constraint(body, body.tools, body.tool_choice, body.parallel_tool_calls)
     constraint = None

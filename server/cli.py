@@ -3,7 +3,10 @@
 A bad command line or setting ends the command with one line on stderr, ``flashtier: error: ...``
 (for a setting: ``--flag VALUE: what is wrong; how to fix``), and exit status 2, never a traceback.
 ``serve`` checks its settings (settings.py) and what they point at (settings_checks.py: the SSD
-directory, the model config, Redis) before it loads the model.
+directory, the model config, Redis) before it loads the model, then holds KV_DIR/SERVER.LOCK for its
+lifetime (kv_dir_lock.py: a second server on the same directory stops with one line). Every log line,
+uvicorn's access and error logs included, has one format: ``LOG_FORMAT``, with a timestamp.
+``flashtier --version`` and ``flashtier serve --version`` print the version.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 PROG = "flashtier"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_LOG_HANDLER = "flashtier"  # the name of the root handler configure_logging installs (once)
 
 if TYPE_CHECKING:
     from flashtier.engine.client import EngineClient
@@ -69,25 +74,53 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_logging(level: str) -> None:
+    """One stderr handler with ``LOG_FORMAT`` on the root logger, at `level` (trace: DEBUG); uvicorn's loggers
+    propagate to it (``serve`` passes uvicorn no log config). Replaces the handler a previous call installed,
+    leaves other handlers (a test's capture) alone."""
+    import logging
+
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h.get_name() == _LOG_HANDLER]:
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_LOG_HANDLER)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(handler)
+    root.setLevel("DEBUG" if level == "trace" else level.upper())
+
+
+def _serve_seed(settings: ServerSettings) -> None:
+    """vLLM's --seed: ``torch.manual_seed`` (every device's default generator), so the draws of requests
+    without their own seed repeat from start-up. Without --seed the generators are left alone."""
+    if settings.seed is not None:
+        torch.manual_seed(settings.seed)
+
+
 def _serve(args: argparse.Namespace, engine_factory: EngineClientFactory | None = None) -> int:
     import logging
 
     import uvicorn
 
     from flashtier.server.app import create_app
-    from flashtier.server.settings import DEMO_NOTE, build_settings
+    from flashtier.server.kv_dir_lock import KVDirLock
+    from flashtier.server.settings import build_settings
     from flashtier.server.settings_checks import preflight
 
     settings = build_settings(args, os.environ)
-    level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
-    logging.basicConfig(level=level, format="%(levelname)-9s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
     for warning in preflight(settings):  # SettingsError (a ValueError) ends main() with one line
         logging.getLogger("flashtier.server.settings").warning("%s", warning)
-    if settings.is_demo:
-        print(f"note: {DEMO_NOTE}", file=sys.stderr)
-    app = create_app(settings, engine_factory or _model_engine)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=settings.drain_timeout_s)
+    kv_dir = settings.kvstore.ssd_dir
+    kv_lock = KVDirLock.acquire(os.path.abspath(os.path.expanduser(kv_dir))) if kv_dir else None  # KVDirInUse: 2
+    try:
+        _serve_seed(settings)
+        app = create_app(settings, engine_factory or _model_engine)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None,
+                    timeout_graceful_shutdown=settings.drain_timeout_s)
+    finally:
+        if kv_lock is not None:
+            kv_lock.release()
     return 0
 
 
@@ -120,7 +153,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser(engine_factory: EngineClientFactory | None = None) -> argparse.ArgumentParser:
     """The command line; `engine_factory` replaces the engine ``serve`` builds (see ``main``)."""
+    from flashtier import __version__
+
     p = OneLineParser(prog=PROG, description="DeepSeek-V4.1-Flash serving daemon")
+    p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
 
     ins = sub.add_parser("inspect", help="layer roles and KV byte accounting (no weights needed)")
@@ -143,6 +179,7 @@ def build_parser(engine_factory: EngineClientFactory | None = None) -> argparse.
     from flashtier.server.settings import add_serve_arguments
 
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (no MODEL_DIR: the demo 'tiny' model)")
+    srv.add_argument("--version", action="version", version=__version__)
     add_serve_arguments(srv)
     srv.set_defaults(func=functools.partial(_serve, engine_factory=engine_factory))
     return p

@@ -160,7 +160,7 @@ class ReasoningConfig(_Model):
 
 class ResponsesRequest(_Model):
     model: str | None = None
-    input: Annotated[str, Field(max_length=1 << 26)] | list[dict[str, Any]] = Field(
+    input: str | list[dict[str, Any]] = Field(
         description="a string (one user message) or a list of input items")
     instructions: str | None = Field(default=None, description="a leading system message; not carried "
                                                                   "over through previous_response_id")

@@ -12,10 +12,16 @@ One output loop (generation.py) drives two renderers: ``ChatStreamRenderer`` sen
 chunks, ``ChatBodyRenderer`` folds the very same events into one message, so both forms agree. How the
 prompt is rendered (thinking mode, tools, tool_choice) is in chat_prompt.py;
 ``parallel_tool_calls=false`` keeps only the first call.
+
+``return_token_ids`` (vLLM's extension): the answer carries ``prompt_token_ids`` and each choice its
+``token_ids``; a stream carries ``prompt_token_ids`` in its first chunk and each step's ids on the first
+chunk of that step (an empty delta when the step shows no text), so the streamed ids concatenate to
+the completion's. A large body is parsed and validated off the event loop (``PooledJSONRoute``).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,11 +35,13 @@ from flashtier.server.chat_job import prepare_chat_job
 from flashtier.server.choice_text import TextStep
 from flashtier.server.dsml_events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from flashtier.server.generation import Generation, json_response, stream_response
+from flashtier.server.pooled_route import PooledJSONRoute
 from flashtier.server.protocol import ChatCompletionRequest
 from flashtier.server.protocol_responses import ChatCompletionResponse
+from flashtier.server.sse import sse_event
 from flashtier.server.state import ServerState, chat_logprob_entry, get_state
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJSONRoute)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
@@ -45,9 +53,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
-        renderer = ChatStreamRenderer(gen, state, top_logprobs, include_usage, continuous)
+        renderer = ChatStreamRenderer(gen, state, top_logprobs, include_usage, continuous, body.return_token_ids)
         return await stream_response(gen, renderer, include_usage=include_usage)
-    return await json_response(request, gen, ChatBodyRenderer(gen, state, top_logprobs, job.prompt.thinking))
+    return await json_response(request, gen, ChatBodyRenderer(gen, state, top_logprobs, job.prompt.thinking,
+                                                              body.return_token_ids))
 
 
 def _logprob_entries(state: ServerState, top_logprobs: int | None, step: TextStep) -> list[dict[str, Any]] | None:
@@ -78,26 +87,35 @@ class ChatStreamRenderer:
     top_logprobs: int | None
     include_usage: bool
     continuous_usage: bool
+    return_token_ids: bool = False
 
     def head(self) -> Iterable[bytes]:
-        return [self.gen.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}], with_usage_field=self.include_usage)
-                for c in self.gen.choices]
+        heads = [[{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                   "finish_reason": None}] for c in self.gen.choices]
+        if not self.return_token_ids:
+            return [self.gen.chunk(choices, with_usage_field=self.include_usage) for choices in heads]
+        gen = self.gen
+        payload = {"id": gen.request_id, "object": gen.chunk_object, "created": gen.created, "model": gen.model,
+                   "prompt_token_ids": gen.streams[0].prompt_token_ids}
+        usage = {"usage": None} if self.include_usage else {}
+        return [sse_event(json.dumps({**payload, "choices": choices, **usage}, ensure_ascii=False))
+                for choices in heads]
 
     def step(self, choice: ChatChoiceState, step: TextStep) -> Iterable[bytes]:
         events = choice.step(step)
         entries = _logprob_entries(self.state, self.top_logprobs, step)
         logprobs = {"content": entries} if entries else None
         usage = self.gen.usage() if self.continuous_usage else None
+        ids = list(step.token_ids) if self.return_token_ids and step.token_ids else None
         chunks = []
         for ev in events:
             d = _delta_of(ev)
             if d is None:
                 continue
-            chunks.append(self._chunk(choice, d, logprobs, usage))
-            logprobs = None
-        if logprobs is not None:
-            chunks.append(self._chunk(choice, {}, logprobs, usage))
+            chunks.append(self._chunk(choice, d, logprobs, usage, ids))
+            logprobs = ids = None
+        if logprobs is not None or ids is not None:
+            chunks.append(self._chunk(choice, {}, logprobs, usage, ids))
         if choice.text.finished:
             chunks.append(self.gen.chunk([{"index": choice.index, "delta": {}, "logprobs": None,
                                            "finish_reason": choice.finish_reason,
@@ -111,9 +129,11 @@ class ChatStreamRenderer:
         return chunks
 
     def _chunk(self, choice: ChatChoiceState, delta: dict[str, Any], logprobs: dict[str, Any] | None,
-               usage: dict[str, Any] | None) -> bytes:
-        return self.gen.chunk([{"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
-                              usage, self.include_usage)
+               usage: dict[str, Any] | None, token_ids: list[int] | None = None) -> bytes:
+        entry = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        if token_ids is not None:
+            entry["token_ids"] = token_ids
+        return self.gen.chunk([entry], usage, self.include_usage)
 
 
 @dataclass
@@ -124,6 +144,7 @@ class ChatBodyRenderer:
     state: ServerState
     top_logprobs: int | None
     thinking: bool
+    return_token_ids: bool = False
 
     def step(self, choice: ChatChoiceState, step: TextStep) -> Iterable[bytes]:
         choice.step(step)
@@ -138,8 +159,11 @@ class ChatBodyRenderer:
 
     def body(self) -> dict[str, Any]:
         gen = self.gen
-        return {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": gen.model,
-                "choices": [self._choice(c) for c in gen.choices], "usage": gen.usage(), "system_fingerprint": None}
+        out = {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": gen.model,
+               "choices": [self._choice(c) for c in gen.choices], "usage": gen.usage(), "system_fingerprint": None}
+        if self.return_token_ids:
+            out["prompt_token_ids"] = gen.streams[0].prompt_token_ids
+        return out
 
     def _choice(self, c: ChatChoiceState) -> dict[str, Any]:
         answer = c.answer.build()
@@ -147,6 +171,9 @@ class ChatBodyRenderer:
         reasoning = answer.reasoning if self.thinking else None
         message = {"role": "assistant", "content": answer.content if answer.content or not calls else None,
                    "reasoning_content": reasoning, "reasoning": reasoning, "tool_calls": calls}
-        return {"index": c.index, "message": message,
-                "logprobs": {"content": c.logprobs} if self.top_logprobs is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.text.stop_reason}
+        out = {"index": c.index, "message": message,
+               "logprobs": {"content": c.logprobs} if self.top_logprobs is not None else None,
+               "finish_reason": c.finish_reason, "stop_reason": c.text.stop_reason}
+        if self.return_token_ids:
+            out["token_ids"] = c.text.token_ids
+        return out

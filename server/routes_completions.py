@@ -6,6 +6,10 @@
 encodes to the control token, as a raw completion prompt should. ``echo`` prefixes the prompt text
 (no prompt logprobs: the engine does not compute them, so echo + logprobs is a 400). ``suffix`` is
 not supported (400). Output text skips special tokens unless ``skip_special_tokens`` is false.
+``max_tokens: null`` gets --max-tokens-default (capped by the context left).
+
+Prompts longer than a few thousand characters (or ids) are checked, tokenized and (for ``echo``)
+detokenized on the frontend pool; a large body was parsed there too (``PooledJSONRoute``).
 
 The output loop is generation.py's; ``CompletionStreamRenderer`` sends ``text_completion`` chunks,
 ``CompletionBodyRenderer`` collects one ``text_completion`` answer.
@@ -13,7 +17,6 @@ The output loop is generation.py's; ``CompletionStreamRenderer`` sends ``text_co
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,13 +30,15 @@ from flashtier.server.completion_choice import CompletionChoiceState
 from flashtier.server.constraint_request import completion_constraint
 from flashtier.server.engine_stream import EngineStream
 from flashtier.server.errors import BadRequest
+from flashtier.server.frontend_pool import INLINE_CHARS
 from flashtier.server.generation import Generation, json_response, stream_response
 from flashtier.server.protocol import CompletionRequest
+from flashtier.server.pooled_route import PooledJSONRoute
 from flashtier.server.protocol_responses import CompletionResponse
 from flashtier.server.request_checks import check_common, check_text, resolve_max_tokens
-from flashtier.server.state import THREAD_ENCODE_CHARS, ServerState, build_sampling_params, get_state, stop_strings
+from flashtier.server.state import ServerState, build_sampling_params, get_state, stop_strings
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJSONRoute)
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,23 @@ async def _prompts(state: ServerState, prompt: Any) -> list[Prompt]:
     out = []
     for i, item in enumerate(items):
         where = "prompt" if len(items) == 1 else f"prompt[{i}]"
-        if isinstance(item, str):
-            check_text(item, where)
-            if len(item) > THREAD_ENCODE_CHARS:
-                ids = await asyncio.to_thread(state.tokenizer.encode, item, True)
-            else:
-                ids = state.tokenizer.encode(item, allow_special=True)
-            out.append(Prompt(ids, item))
-        else:
-            bad = next((t for t in item if t >= vocab), None)
-            if bad is not None:
-                raise BadRequest(f"{where}: token id {bad} is out of range [0, {vocab})", param="prompt")
-            out.append(Prompt(list(item), ""))
+        work = (_encode_text if isinstance(item, str) else _check_ids, state, item, where, vocab)
+        out.append(await state.cpu_pool.run(*work) if len(item) > INLINE_CHARS else work[0](*work[1:]))
     return out
+
+
+def _encode_text(state: ServerState, text: str, where: str, vocab: int) -> Prompt:
+    """A text prompt's ids (control-token text allowed); 400 on invalid Unicode."""
+    check_text(text, where)
+    return Prompt(state.tokenizer.encode(text, allow_special=True), text)
+
+
+def _check_ids(state: ServerState, ids: list[int], where: str, vocab: int) -> Prompt:
+    """A token-id prompt as it is (no copy); 400 naming the first id outside the vocabulary."""
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise BadRequest(f"{where}: token id {bad} is out of range [0, {vocab})", param="prompt")
+    return Prompt(ids, "")
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
@@ -87,11 +96,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     salt = state.cache_salt(request, body.cache_salt)
     for i, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(prompt.ids), body.max_tokens, engine.max_model_len,
-                                        prompt_param="prompt", tokens_param="max_tokens")
+                                        prompt_param="prompt", tokens_param="max_tokens",
+                                        default=state.settings.max_tokens_default)
         params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, constraint=constraint)
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         streams.append(EngineStream(engine, rid, prompt.ids, params, salt))
-        echoes.append((prompt.text or state.tokenizer.decode(prompt.ids)) if body.echo else "")
+        echoes.append(await _echo_text(state, prompt) if body.echo else "")
     choices = [
         CompletionChoiceState(
             index=k,
@@ -108,6 +118,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return await stream_response(gen, renderer, include_usage=include_usage)
     return await json_response(request, gen, CompletionBodyRenderer(gen, state, body.logprobs, echoes,
                                                                      body.return_token_ids))
+
+
+async def _echo_text(state: ServerState, prompt: Prompt) -> str:
+    """The text `echo` puts before the completion: the prompt's text, or its ids decoded."""
+    if prompt.text or len(prompt.ids) <= INLINE_CHARS:
+        return prompt.text or state.tokenizer.decode(prompt.ids)
+    return await state.cpu_pool.run(state.tokenizer.decode, prompt.ids)
 
 
 @dataclass

@@ -12,7 +12,7 @@ re-shapes by path). ``x-api-key`` is accepted as well as ``Authorization: Bearer
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,12 +31,13 @@ from flashtier.server.messages_output import ContentBlocks, messages_usage, stop
 from flashtier.server.messages_protocol import MessagesPrompt, MessagesRequest
 from flashtier.server.messages_stream import ABORTED, MessagesStreamRenderer, stream_messages
 from flashtier.server.messages_translate import to_chat_request
+from flashtier.server.pooled_route import PooledJSONRoute
 from flashtier.server.protocol import ChatCompletionRequest
 from flashtier.server.state import THREAD_ENCODE_CHARS, ServerState, get_state
 
 __all__ = ["MessageBodyRenderer", "router"]
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJSONRoute)  # large bodies are parsed off the event loop
 
 
 @router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
@@ -51,7 +52,8 @@ async def _translate(state: ServerState, request: Request, body: MessagesPrompt)
     except ValueError:
         size = 0
     if size > THREAD_ENCODE_CHARS:
-        return await asyncio.to_thread(to_chat_request, body, default_thinking=state.settings.default_thinking)
+        return await state.cpu_pool.run(functools.partial(to_chat_request, body,
+                                                          default_thinking=state.settings.default_thinking))
     return to_chat_request(body, default_thinking=state.settings.default_thinking)
 
 

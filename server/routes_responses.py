@@ -31,6 +31,7 @@ from flashtier.server.auth import authenticated_key
 from flashtier.server.chat_job import ChatJob, prepare_chat_job
 from flashtier.server.errors import APIError, BadRequest
 from flashtier.server.generation import json_response
+from flashtier.server.pooled_route import PooledJSONRoute
 from flashtier.server.protocol import ChatCompletionRequest
 from flashtier.server.request_checks import check_text
 from flashtier.server.response_store import ResponseStore, StoredResponse
@@ -41,7 +42,7 @@ from flashtier.server.responses_stream import ResponsesRenderer, stream_response
 from flashtier.server.responses_translate import item_dict, parse_input, resolve_references, translate
 from flashtier.server.state import ServerState, get_state
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJSONRoute)  # large bodies are parsed off the event loop
 logger = logging.getLogger(__name__)
 
 # chat's name of a field -> the Responses field it came from (for the `param` of an error)

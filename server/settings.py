@@ -11,6 +11,9 @@ MODEL_DIR is ``FLASHTIER_MODEL_DIR``. Precedence: a flag given on the command li
 variable, else the default. List options take several values after the flag, a repeated flag, or
 comma-separated values (``--api-key k1,k2``, ``--api-key k1 --api-key k2``, ``FLASHTIER_API_KEY=k1,k2``).
 Booleans take ``--x`` / ``--no-x``, or ``1/true/yes/on`` and ``0/false/no/off`` in the variable.
+A list may also be one JSON list (``--allowed-origins '["https://a.example"]'``, as vLLM takes it). An
+option's ``aliases`` are vLLM's flags for the same setting (``--gpu-memory-utilization`` sets
+``--hbm-utilization``); the table is in docs/settings.md, "vLLM's flags".
 
 A bad value raises ``ValueError`` naming the flag or the variable (the CLI prints it as one line and
 exits 2). What needs the file system or the network (the SSD directory, Redis) is checked by
@@ -20,6 +23,7 @@ settings_checks.py before the model loads.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -61,6 +65,14 @@ class ServerSettings:
     api_key: tuple[str, ...] = ()
     cache_isolation: str = "shared"  # shared | per-key (CACHE_ISOLATION_MODES)
     max_request_bytes: int = 64 << 20
+    max_tokenize_bytes: int = 8 << 20  # /tokenize, /detokenize (app.py)
+    frontend_workers: int | None = None  # None: min(4, CPUs) (frontend_pool.py)
+    max_tokens_default: int = 32768  # 0: the rest of the context
+    allowed_origins: tuple[str, ...] = ()  # CORS off when empty
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    seed: int | None = None  # torch.manual_seed at start (cli.py)
     max_n: int = 16
     drain_timeout_s: float = 30.0
     log_level: str = "info"
@@ -87,8 +99,12 @@ class ServerSettings:
         if self.cache_isolation not in CACHE_ISOLATION_MODES:
             modes = " | ".join(CACHE_ISOLATION_MODES)
             raise ValueError(f"--cache-isolation {self.cache_isolation!r}: not a mode; use {modes}")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        for flag, value in (("--max-request-bytes", self.max_request_bytes),
+                            ("--max-tokenize-bytes", self.max_tokenize_bytes)):
+            if value < 1024:
+                raise ValueError(f"{flag} must be at least 1024, got {value}")
+        if self.max_tokens_default < 0:
+            raise ValueError(f"--max-tokens-default must be >= 0, got {self.max_tokens_default}")
 
     @property
     def is_demo(self) -> bool:
@@ -141,19 +157,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: $FLASHTIER_MODEL_DIR, else the demo 'tiny' preset")
     for opt in OPTIONS:
         help_text = argparse.SUPPRESS if opt.hidden else f"{opt.help} [env {opt.env}]"
-        if opt.kind == "bool":
-            parser.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
+        flags = (opt.flag, *opt.aliases)
+        if opt.kind == "bool":  # each flag gets its --no- form (--no-enable-prefix-caching too)
+            parser.add_argument(*flags, dest=opt.dest, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         elif opt.kind == "list":  # several values, a repeated flag, or commas (split in build_settings)
-            parser.add_argument(opt.flag, dest=opt.dest, nargs="+", action="extend", type=_arg_type(opt),
+            parser.add_argument(*flags, dest=opt.dest, nargs="+", action="extend", type=_arg_type(opt),
                                 default=None, help=help_text)
         else:
-            parser.add_argument(opt.flag, dest=opt.dest, type=_arg_type(opt), default=None, help=help_text)
+            parser.add_argument(*flags, dest=opt.dest, type=_arg_type(opt), default=None, help=help_text)
 
 
 def _split_list(opt: Option, text: str) -> tuple[Any, ...]:
     """A list option's comma-separated values, each parsed (empty items are skipped, but not all of them:
     ``--api-key "$KEY"`` with KEY unset must not start an open server)."""
+    if text.lstrip().startswith("["):  # vLLM's form: one JSON list of strings
+        try:
+            items = json.loads(text)
+        except ValueError:
+            raise ValueError(f"expected a JSON list of strings or comma-separated values, got {text!r}") from None
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise ValueError(f"expected a JSON list of strings, got {text!r}")
+        text = ",".join(items)
     values = tuple(opt.parse(part.strip()) for part in text.split(",") if part.strip())
     if not values:
         raise ValueError(f"expected one or more comma-separated values, got {text!r}")
@@ -214,6 +239,8 @@ def build_settings(argv_namespace: argparse.Namespace | None, environ: Mapping[s
             kv_dir = os.path.join(cache_dir, "kv", label)
     else:
         kv_dir = None
+    values.pop("tensor_parallel_size")  # vLLM's flags: the parser accepts only 1, and the other has no effect
+    values.pop("trust_remote_code")
     lifetime = values.pop("kv_lifetime_s")
     budget = values.pop("kv_disk_budget")
     kvstore = KVStoreConfig(

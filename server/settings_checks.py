@@ -7,8 +7,10 @@ warnings for what it can run with, degraded::
     MODEL_DIR / --preset    the model config resolves (config.json or a known preset)
     --kv-disk-budget        a segment of the budget (ssd_segment_bytes_for) holds one block record
     --kv-dir                a directory, not a file; not on a kernel file system (/proc, /sys, devtmpfs);
-                            not read-only; creatable and writable; not locked by another running server
-                            (the same non-blocking flock SSDStore takes on KV_DIR/LOCK, released at once)
+                            not read-only; creatable and writable; not held by another ``serve`` (its
+                            KV_DIR/SERVER.LOCK, kv_dir_lock.py: the line names its pid) nor locked by
+                            another store (the same non-blocking flock SSDStore takes on KV_DIR/LOCK,
+                            released at once)
     --redis-url             warning when nothing accepts a connection there (snapshots miss, serving goes on)
     --cache-isolation       warning for per-key without --api-key (every request is then one tenant)
 
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flashtier.kvstore.config import KVStoreConfig, ssd_budget_bytes_for
+from flashtier.kvstore.ssd_store import make_private_dir
+from flashtier.server.kv_dir_lock import KVDirInUse, held_by
 from flashtier.server.settings import ServerSettings
 from flashtier.server.settings_options import format_size
 
@@ -176,7 +180,10 @@ def check_kv_dir(kv_dir: str) -> None:
     if mount is not None and "ro" in mount[2]:
         raise SettingsError("--kv-dir", path, f"is on a read-only file system (mounted at {mount[0]})", fix)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_private_dir(path)  # 0700, as the store creates it (a 0755 one would get the store's warning)
+        holder = held_by(path)  # a running `serve` (also before its store took LOCK): name its pid
+        if holder is not None:
+            raise KVDirInUse(path, holder)
         fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         problem = ("is on a read-only file system" if exc.errno == errno.EROFS

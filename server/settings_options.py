@@ -97,9 +97,29 @@ def _choice(*choices: str) -> Callable[[str], str]:
 
 
 def _dtype(text: str) -> str:
-    if text not in ("auto", "float32", "bfloat16", "float64"):
+    """auto | float32 | bfloat16 | float64; vLLM's ``float`` is float32. float16 is refused (the model's
+    activations overflow it)."""
+    value = "float32" if text == "float" else text
+    if value in ("half", "float16"):
+        raise ValueError(f"{text!r} is not supported (no float16 kernels); use bfloat16, float32 or auto")
+    if value not in ("auto", "float32", "bfloat16", "float64"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float64, got {text!r}")
-    return text
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise ValueError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _tensor_parallel_size(text: str) -> int:
+    value = _positive_int(text)
+    if value != 1:
+        raise ValueError(f"{value} is not supported: flashtier serves on one GPU (multi-GPU serving is not "
+                         "implemented yet); pass 1 or leave it out")
+    return value
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
@@ -186,6 +206,7 @@ class Option:
     help: str
     kind: str = "value"  # value | bool | list
     hidden: bool = False
+    aliases: tuple[str, ...] = ()  # other flags for the same setting (vLLM's names); the env var is the flag's
 
     @property
     def env(self) -> str:
@@ -212,8 +233,23 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_isolation", "--cache-isolation", _choice(*CACHE_ISOLATION_MODES), "shared", "shared: "
            "requests share cached prefixes (cache_salt separates them); per-key: each API key is its own "
            "tenant in every tier (HBM, SSD, snapshots), and cache_salt applies within a key"),
-    Option("max_request_bytes", "--max-request-bytes", _positive_int, 64 << 20, "largest request body "
-           "accepted (HTTP 413 above it)"),
+    Option("max_request_bytes", "--max-request-bytes", _size, 64 << 20, "largest request body accepted by "
+           "the generating routes (HTTP 413 above it; e.g. 64M)"),
+    Option("max_tokenize_bytes", "--max-tokenize-bytes", _size, 8 << 20, "largest request body of /tokenize "
+           "and /detokenize (HTTP 413 above it): 8M holds a full 1M-token context as text or as ids"),
+    Option("frontend_workers", "--frontend-workers", _positive_int, None, "threads that tokenize, render "
+           "chat prompts, detokenize and parse large bodies off the event loop (default: min(4, CPUs))"),
+    Option("max_tokens_default", "--max-tokens-default", _non_negative_int, 32768, "max_tokens of a request "
+           "that sets none (capped by the context left); 32768 fits a thinking-mode answer and bounds a "
+           "runaway generation; 0: the rest of the context (vLLM's default)"),
+    Option("allowed_origins", "--allowed-origins", str, (), "CORS: origins browsers may call from (`*` for "
+           "any; a JSON list as vLLM takes it also works); default: none, no CORS headers", kind="list"),
+    Option("allowed_methods", "--allowed-methods", str, ("*",), "CORS: allowed methods (with "
+           "--allowed-origins)", kind="list"),
+    Option("allowed_headers", "--allowed-headers", str, ("*",), "CORS: allowed request headers (with "
+           "--allowed-origins)", kind="list"),
+    Option("allow_credentials", "--allow-credentials", _parse_bool, False, "CORS: allow credentials (with "
+           "--allowed-origins)", kind="bool"),
     Option("max_n", "--max-n", _positive_int, 16, "largest `n` (choices per request) accepted"),
     Option("drain_timeout_s", "--drain-timeout", _non_negative_float, 30.0, "seconds SIGTERM waits for "
            "in-flight requests before aborting them"),
@@ -227,20 +263,30 @@ OPTIONS: tuple[Option, ...] = (
            "queue; a request beyond it is answered 429"),
     Option("device", "--device", str, None, "torch device (default: cuda when available, else cpu)"),
     Option("dtype", "--dtype", _dtype, "auto", "auto | float32 | bfloat16 | float64 (auto: bfloat16 on "
-           "cuda, float32 on cpu)"),
+           "cuda, float32 on cpu; vLLM's `float` is float32)"),
+    Option("seed", "--seed", _int, None, "seed of the random draws of requests without their own `seed` "
+           "(torch.manual_seed at start, as vLLM's --seed); default: unseeded"),
+    Option("tensor_parallel_size", "--tensor-parallel-size", _tensor_parallel_size, 1, "vLLM's flag; only 1 "
+           "(one GPU) is supported", aliases=("-tp",)),
+    Option("trust_remote_code", "--trust-remote-code", _parse_bool, False, "vLLM's flag, accepted with no "
+           "effect: flashtier runs no code from the checkpoint", kind="bool"),
     Option("weights_seed", "--weights-seed", _int, 0, "seed of the demo preset's random weights",
            hidden=True),
     # -- kvstore
     Option("block_size", "--block-size", _block_size, 64, "tokens per KV block (a multiple of 8)"),
     Option("num_blocks", "--num-blocks", _num_blocks, None, "HBM pool size in blocks (overrides "
-           "--hbm-utilization)"),
-    Option("hbm_utilization", "--hbm-utilization", _fraction, 0.9, "fraction of free device memory for KV"),
+           "--hbm-utilization)", aliases=("--num-gpu-blocks-override",)),
+    Option("hbm_utilization", "--hbm-utilization", _fraction, 0.9, "fraction of free device memory for KV",
+           aliases=("--gpu-memory-utilization",)),
     Option("enable_prefix_caching", "--prefix-caching", _parse_bool, True, "keep freed full blocks for "
-           "prefix reuse", kind="bool"),
+           "prefix reuse: on by default; --no-prefix-caching (vLLM: --no-enable-prefix-caching) turns the HBM "
+           "prefix cache off", kind="bool",
+           aliases=("--enable-prefix-caching",)),
     Option("cache_dir", "--cache-dir", str, None, "directory of the demo checkpoint and the default "
            "--kv-dir (default: $XDG_CACHE_HOME/flashtier)"),
     Option("kv_dir", "--kv-dir", str, None, "directory of the SSD tier (global KV, guaranteed lifetime); "
-           "default: CACHE_DIR/kv/<model>. One server per directory (it holds KV_DIR/LOCK)"),
+           "default: CACHE_DIR/kv/<model>. One server per directory: it holds KV_DIR/SERVER.LOCK from start-up, "
+           "and a second one stops with the first's pid"),
     Option("kv_persist", "--kv-persist", _parse_bool, True, "write global KV through to the SSD tier "
            "(--no-kv-persist: HBM prefix cache and snapshots only)", kind="bool"),
     Option("kv_disk_budget", "--kv-disk-budget", _disk_budget, 512 * GiB, "disk budget of the SSD tier (e.g. "

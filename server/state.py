@@ -29,6 +29,7 @@ from flashtier.engine.outputs import CacheUsage, ResumeInfo, TokenLogprob
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.server.auth import authenticated_key
 from flashtier.server.errors import BadRequest, NotFound, ServiceUnavailable
+from flashtier.server.frontend_pool import INLINE_CHARS, FrontendPool
 from flashtier.server.grammar_service import GrammarService
 from flashtier.server.metrics import ServerMetrics
 from flashtier.server.protocol import SamplingFields
@@ -39,8 +40,8 @@ from flashtier.server.tokenizer import THINK_END, Tokenizer
 
 # Logprobs are clamped to this so that JSON never carries -Infinity.
 MIN_LOGPROB = -9999.0
-# Prompts larger than this (characters) are encoded on a worker thread, off the event loop.
-THREAD_ENCODE_CHARS = 32_768
+# Prompts larger than this (characters) are encoded on the frontend pool, off the event loop.
+THREAD_ENCODE_CHARS = INLINE_CHARS
 TENANT_DOMAIN = b"flashtier/tenant/v1\x00"
 
 
@@ -57,6 +58,7 @@ class ServerState:
         self.think_end_id = tokenizer.token_to_id(THINK_END)
         self.grammars = GrammarService(tokenizer)
         self.response_store: ResponseStore | None = None  # built by create_app (response_store.py)
+        self.cpu_pool = FrontendPool(settings.frontend_workers)  # shut down by the app's lifespan
 
     def require_engine(self) -> EngineClient:
         engine = self.engine

