@@ -102,7 +102,7 @@ def test_redis_sigstop_and_sigkill_under_load_every_request_completes(tmp_path, 
         opens = m.get("flashtier_snapshot_redis_breaker_opens_total", 0)
         assert opens >= 2, m  # SIGSTOP and SIGKILL each opened the breaker ...
         assert len(down) == opens and len(back) == opens, pool_lines  # ... and each said so once, as did recovery
-        assert all(ln.startswith("WARNING") for ln in down + back), pool_lines
+        assert all(" WARNING " in ln for ln in down + back), pool_lines
         assert sum(v for k, v in m.items() if "redis_op_timeouts" in k) > 0, m  # SIGSTOP: calls timed out
         # with Redis answering, the 2 turns of every conversation before the faults resumed exactly
         assert by_phase["redis up"].get("replay", 0) <= CLIENTS, by_phase  # only those in flight at SIGSTOP

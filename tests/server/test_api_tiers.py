@@ -45,8 +45,8 @@ class Server:
             time.sleep(0.2)
         raise RuntimeError("server did not become healthy")
 
-    def complete(self, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
-        r = httpx.post(self.url + "/v1/completions", timeout=600, json={
+    def complete(self, prompt: list[int], max_tokens: int = 8, headers: dict | None = None, **extra) -> dict:
+        r = httpx.post(self.url + "/v1/completions", timeout=600, headers=headers, json={
             "model": "flashtier-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, **extra})
         assert r.status_code == 200, r.text
@@ -144,33 +144,38 @@ def test_restart_after_sigkill_resumes_from_ssd_and_snapshot(tmp_path, redis, co
         srv.stop()
 
 
-def test_cache_salts_isolate_hbm_ssd_and_snapshot_tiers(tmp_path, redis):
-    """Tenants B and C send tenant A's exact prompt with their own salts: no cached token from any tier,
-    while A's repeat is served from HBM, and after a restart from SSD + the snapshot pool."""
+def test_tenants_share_no_cache_in_any_tier(tmp_path, redis):
+    """`--cache-isolation per-key`: tenant B (its own key) gets no cached token for tenant A's prompt in HBM,
+    on the SSD or from the snapshot pool, even sending A's very salt; a second salt within A's key is its own
+    namespace too (cache_salt isolation); A's repeat is served from HBM, and after a restart from SSD + the
+    snapshot pool, so every zero below could have been a hit."""
     kv = str(tmp_path / "kv")
+    a, b = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
 
     def tiers(got: dict) -> tuple[int, int, int, int]:
         usage = got["usage"]
         t = usage["flashtier"]["cached_tokens_by_tier"]
         return usage["prompt_tokens_details"]["cached_tokens"], t["hbm"], t["ssd"], t["snapshot"]
 
-    srv = Server(tmp_path, "--kv-dir", kv, "--redis-url", redis.url)
-    prompt = _chunk(300, seed=21)
+    args = ("--kv-dir", kv, "--redis-url", redis.url, "--api-key", "key-a,key-b", "--cache-isolation", "per-key")
+    srv = Server(tmp_path, *args)
+    hbm_prompt, prompt = _chunk(200, seed=20), _chunk(300, seed=21)
     try:
-        first = srv.complete(prompt, cache_salt="tenant-a")["choices"][0]["token_ids"]
-        assert tiers(srv.complete(prompt, max_tokens=1, cache_salt="tenant-b")) == (0, 0, 0, 0)
-        assert tiers(srv.complete(prompt, max_tokens=1))[0] == 0  # no salt is a namespace of its own
-        cached, hbm, _, _ = tiers(srv.complete(prompt, max_tokens=1, cache_salt="tenant-a"))
-        assert cached == hbm == len(prompt) // BS * BS
+        assert tiers(srv.complete(hbm_prompt, max_tokens=1, headers=a, cache_salt="s"))[0] == 0
+        assert tiers(srv.complete(hbm_prompt, max_tokens=1, headers=b, cache_salt="s")) == (0, 0, 0, 0)
+        assert tiers(srv.complete(hbm_prompt, max_tokens=1, headers=a, cache_salt="t")) == (0, 0, 0, 0)
+        cached, hbm, _, _ = tiers(srv.complete(hbm_prompt, max_tokens=1, headers=a, cache_salt="s"))
+        assert cached == hbm == len(hbm_prompt) // BS * BS
+        first = srv.complete(prompt, headers=a, cache_salt="s")["choices"][0]["token_ids"]
         _wait_persisted(srv)
     finally:
         srv.kill()
     prompt = prompt + first + _chunk(50, seed=22)
-    srv = Server(tmp_path, "--kv-dir", kv, "--redis-url", redis.url)
+    srv = Server(tmp_path, *args)
     try:
-        # C never sent it: nothing from SSD or the pool (B, which sent the 300-token prompt, would get its own)
-        assert tiers(srv.complete(prompt, max_tokens=1, cache_salt="tenant-c")) == (0, 0, 0, 0)
-        cached, hbm, ssd, snapshot = tiers(srv.complete(prompt, max_tokens=1, cache_salt="tenant-a"))
+        assert tiers(srv.complete(prompt, max_tokens=1, headers=b, cache_salt="s")) == (0, 0, 0, 0)
+        assert tiers(srv.complete(prompt, max_tokens=1, headers=a, cache_salt="t")) == (0, 0, 0, 0)
+        cached, hbm, ssd, snapshot = tiers(srv.complete(prompt, max_tokens=1, headers=a, cache_salt="s"))
         assert hbm == 0 and ssd > 0 and snapshot > 0 and cached == ssd + snapshot == 300 + len(first) - 1
     finally:
         srv.stop()
