@@ -25,7 +25,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-MAX_EXAMPLES = 110
+MAX_EXAMPLES = 90  # per operation (14 now, 7 with bodies): still over the 500 cases asserted below
 CASES: dict[str, int] = {}
 
 
