@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 
 RESUME_POLICIES = ("replay", "exact-or-cold")
+FORWARDS = ("auto", "batched", "per-sequence")
 
 
 @dataclass(frozen=True)
@@ -21,14 +22,23 @@ class EngineConfig:
     max_waiting: int = 1024  # queue bound (beyond it: QueueFullError -> HTTP 429)
     fingerprint: str | None = None  # prefix-cache namespace; default derived from the model config + formats
     resume_policy: str = "replay"  # "replay" (the model's design) | "exact-or-cold": never an approximate window
+    # "batched": every op over all rows of a step (ring arena + kernels); "per-sequence": attention per sequence
+    # (the plain-torch path); "auto": batched on CUDA, per-sequence on the CPU
+    forward: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"EngineConfig.dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
         if self.resume_policy not in RESUME_POLICIES:
             raise ValueError(f"EngineConfig.resume_policy must be one of {RESUME_POLICIES}, got {self.resume_policy!r}")
+        if self.forward not in FORWARDS:
+            raise ValueError(f"EngineConfig.forward must be one of {FORWARDS}, got {self.forward!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("EngineConfig.max_model_len must be >= 2")
+
+    def batched_on(self, device_type: str) -> bool:
+        """Whether the engine runs the batched forward on a device of this type."""
+        return self.forward == "batched" or (self.forward == "auto" and device_type == "cuda")

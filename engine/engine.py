@@ -25,6 +25,7 @@ from flashtier.engine.output_builder import build_output
 from flashtier.engine.outputs import EngineStats, RequestOutput
 from flashtier.engine.postprocess import Postprocessor
 from flashtier.engine.request import Request
+from flashtier.engine.paged_runner import PagedRunner
 from flashtier.engine.runner import ModelRunner
 from flashtier.engine.sampler import Sampler
 from flashtier.engine.sampling_params import SamplingParams
@@ -67,7 +68,10 @@ class Engine:
         if self.kv_config.num_blocks is None and self.kv_config.hbm_budget_bytes is None:
             available = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else DEFAULT_CPU_KV_BYTES
         num_blocks = self.kv_config.pool_blocks(self.layout.block_bytes, available)
-        self.kvm = KVManager(spec, self.layout, num_blocks, enable_caching=self.kv_config.enable_prefix_caching)
+        batched = self.config.batched_on(dev.type)
+        # two slots per running sequence: preempted and finishing sequences hold theirs until collected
+        self.kvm = KVManager(spec, self.layout, num_blocks, enable_caching=self.kv_config.enable_prefix_caching,
+                             ring_slots=2 * self.config.max_num_seqs if batched else 0)
         self.max_model_len = self.config.max_model_len or cfg.max_position_embeddings
         # exact-or-cold never shares a namespace with servers that cache approximate (replayed) state
         policy = "" if self.config.resume_policy == "replay" else f"|{self.config.resume_policy}"
@@ -81,7 +85,7 @@ class Engine:
             tiers=TierClient(tiers, self.kvm, allow_replay=allow_replay) if tiers is not None else None,
             allow_replay=allow_replay,
         )
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, PagedRunner(model, self.kvm) if batched else None)
         self.postprocessor = Postprocessor(self.scheduler, Sampler(eos_token_id=cfg.eos_token_id),
                                            eos_token_id=cfg.eos_token_id, max_model_len=self.max_model_len)
         self._aborted: list[Request] = []

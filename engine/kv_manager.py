@@ -18,6 +18,7 @@ from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.paged_entries import PagedEntries
 from flashtier.engine.paged_kv import PagedSequence
 from flashtier.engine.request import Sequence
+from flashtier.engine.ring_arena import RingArena
 from flashtier.engine.window_rings import WindowRings
 from flashtier.kvstore.block_hash import BlockHash, fork_root, hash_block
 from flashtier.kvstore.block_pool import BlockPool, KVBlock
@@ -38,13 +39,14 @@ class SequenceSpec:
     index_head_dim: int
     dtype: torch.dtype  # compute dtype of dequantised reads
     device: torch.device
+    stream_shape: tuple[int, int]  # (hc_mult, hidden_size): one encoder output row, the decoder replay's input
 
     @staticmethod
     def from_config(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> SequenceSpec:
         ids = tuple(cfg.kv_source_layer_ids)
         return SequenceSpec(ids, tuple(cfg.compress_ratios[s] for s in ids), cfg.num_hidden_layers,
                             cfg.n_encoder_layers, cfg.sliding_window, cfg.head_dim, cfg.index_head_dim,
-                            dtype, torch.device(device))
+                            dtype, torch.device(device), (cfg.hc_mult, cfg.hidden_size))
 
     @property
     def geometry(self) -> KVGeometry:
@@ -69,9 +71,13 @@ class CachedBlock:
 class KVManager:
     """Block accounting and byte pool of one engine. Every method mutates only what it names."""
 
-    def __init__(self, spec: SequenceSpec, layout: BlockLayout, num_blocks: int, *, enable_caching: bool = True):
-        """``layout``: ``BlockLayout(spec.geometry, block_size)`` (the caller sized ``num_blocks`` by it)."""
+    def __init__(self, spec: SequenceSpec, layout: BlockLayout, num_blocks: int, *, enable_caching: bool = True,
+                 ring_slots: int = 0):
+        """``layout``: ``BlockLayout(spec.geometry, block_size)`` (the caller sized ``num_blocks`` by it);
+        ``ring_slots`` > 0: new sequences keep their window rings in a ``RingArena`` of that many slots."""
         self.spec = spec
+        self.arena = (RingArena(spec.n_layers, spec.window, spec.head_dim, ring_slots, spec.device)
+                      if ring_slots else None)
         self.block_size = layout.block_size
         self.layout = layout
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
@@ -91,7 +97,7 @@ class KVManager:
                               s.dtype)
             for i, src in enumerate(s.source_layer_ids)
         }
-        rings = WindowRings(s.n_layers, s.window, s.head_dim, s.dtype, s.device)
+        rings = WindowRings(s.n_layers, s.window, s.head_dim, s.dtype, s.device, self.arena)
         return PagedSequence(table=table, stores=stores, rings=rings, partial={src: None for src in s.partial_order})
 
     def ensure_blocks(self, kv: PagedSequence, upto_position: int) -> bool:

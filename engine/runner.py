@@ -13,6 +13,7 @@ import torch
 
 from flashtier.engine.model.batch_forward import decode_batch, encode_batch
 from flashtier.engine.model.transformer import Transformer
+from flashtier.engine.paged_runner import PagedRunner
 from flashtier.engine.scheduler_output import DecoderKind, SchedulerOutput
 
 
@@ -24,12 +25,18 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer):
-        self.model = model
+    def __init__(self, model: Transformer, paged: PagedRunner | None = None):
+        """``paged``: run steps whose sequences all hold a ring-arena slot with the batched forward."""
+        self.model, self.paged = model, paged
         self.decoder_layers = range(model.cfg.n_encoder_layers, model.cfg.num_hidden_layers)
+        self.per_sequence_steps = 0  # steps the batched forward could not take (a sequence without a slot)
 
     @torch.no_grad()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        if self.paged is not None:
+            if PagedRunner.can_run(batch):
+                return ModelRunnerOutput(self.paged.execute(batch))
+            self.per_sequence_steps += 1
         if batch.encoder:  # also keeps each sequence's replay tail
             encode_batch(self.model, [w.seq.kv for w in batch.encoder], [w.tokens for w in batch.encoder])
         if not batch.decoder:

@@ -120,12 +120,12 @@ def encode_batch(
     for state, seg, pos in zip(states, _segments([p.numel() for p in positions]), positions):
         # CED: layer 20's ratio-1 compressor on its attention input, for every new token
         project_decoder_entries(model, x[seg], pre[seg], pos, state.stores[cfg.decoder_source], state.write_from)
-        _push_tail(state, x[seg], pre[seg], cfg.sliding_window)
+        push_tail(state, x[seg], pre[seg], cfg.sliding_window)
         out.append((x[seg], pre[seg]))
     return out
 
 
-def _push_tail(state: SequenceKV, x: torch.Tensor, pre: torch.Tensor, window: int) -> None:
+def push_tail(state: SequenceKV, x: torch.Tensor, pre: torch.Tensor, window: int) -> None:
     """Keep the encoder outputs of the newest ``window`` tokens: the decoder replay's input."""
     if state.tail_x is None:
         state.tail_x, state.tail_pre = x[-window:].clone(), pre[-window:].clone()

@@ -52,10 +52,8 @@ class Compressor(nn.Module):
         a missing or mismatched partial group is an internal error (assert).
         """
         if self.ratio == 1:
-            w = self.wkv.weight
-            return self.norm(up(F.linear(h.to(w.dtype), w))), pos.clone(), None
-        kv = F.linear(up(h), up(self.wkv.weight))
-        z = F.linear(up(h), up(self.wgate.weight))
+            return self.project_single(h), pos.clone(), None
+        kv, z = self.project_pairs(h)
         start = int(pos[0]) if pos.numel() else 0
         if start % 2:
             assert partial is not None and partial.position == start - 1, "ratio-2 group lost its first token"
@@ -70,6 +68,20 @@ class Compressor(nn.Module):
             new_partial = PartialGroup(kv[-1].clone(), z[-1].clone(), start + kv.shape[0] - 1)
         kv = kv[: 2 * n_full].view(n_full, 2, kv.shape[-1])
         z = z[: 2 * n_full].view(n_full, 2, z.shape[-1])
-        pooled = (torch.softmax(z, dim=1) * kv).sum(1)
         entries = torch.arange(n_full, device=h.device) + start // 2
-        return self.norm(pooled), entries, new_partial
+        return self.pool_pairs(kv, z), entries, new_partial
+
+    # The pieces of ``latents``, also called by the batched forward (batch_entries.py) so both paths
+    # run the same ops in the same order.
+    def project_single(self, h: torch.Tensor) -> torch.Tensor:
+        """Ratio 1: the latent of every row of h [T, D] -> [T, hd] fp32 (pre-RoPE)."""
+        w = self.wkv.weight
+        return self.norm(up(F.linear(h.to(w.dtype), w)))
+
+    def project_pairs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ratio 2: kv and gate scores [T, hd] fp32 of every row of h [T, D]."""
+        return F.linear(up(h), up(self.wkv.weight)), F.linear(up(h), up(self.wgate.weight))
+
+    def pool_pairs(self, kv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Ratio 2: groups kv, z [G, 2, hd] -> latents [G, hd] (per-channel softmax over the pair, RMSNorm)."""
+        return self.norm((torch.softmax(z, dim=1) * kv).sum(1))
