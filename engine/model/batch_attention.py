@@ -47,7 +47,9 @@ def _select(block: Block, rows: StepRows, views: PagedViews, slots: RowSlots, h,
     qi, w = qi.float(), w.float()
     n_vis = torch.div(rows.positions + 1, role.ratio, rounding_mode="floor").to(torch.int32)
     index = views.index[role.kv_source]
-    common = dict(k=cfg.index_topk, cand_block=cfg.candidate_block_size)
+    # the Triton indexer is built for the real index width (128); other widths (tiny) take the reference
+    impl = "auto" if qi.shape[-1] == 128 else "reference"
+    common = dict(k=cfg.index_topk, cand_block=cfg.candidate_block_size, impl=impl)
     if role.role == "full" and role.index == cfg.candidate_source_layer_id:
         sel = indexer_topk_with_candidates(qi, w, index, rows.block_table, n_vis,
                                            n_blocks=cfg.candidate_topk_blocks, **common)

@@ -39,14 +39,18 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def quantize_tensor(name: str, tensor: torch.Tensor, fmt: StorageFormat | str) -> dict[str, torch.Tensor]:
-    """One logical tensor -> its stored tensor(s): `{NAME: data}` or `{NAME: codes, PREFIX.scale: scale}`."""
+def quantize_tensor(
+    name: str, tensor: torch.Tensor, fmt: StorageFormat | str, *, on_device: bool = False
+) -> dict[str, torch.Tensor]:
+    """One logical tensor -> its stored tensor(s): `{NAME: data}` or `{NAME: codes, PREFIX.scale: scale}`.
+
+    On the CPU (for writing) unless ``on_device``: then where ``tensor`` lives (the kernels' GPU paths)."""
     fmt = StorageFormat(fmt)
-    t = tensor.detach().to("cpu")
+    t = tensor.detach() if on_device else tensor.detach().to("cpu")
     if not fmt.quantized:
         # A fresh contiguous copy: safetensors refuses tensors that share storage (views of stacked weights).
         out_dtype = torch.bfloat16 if fmt is StorageFormat.BF16 else torch.float32
-        return {name: torch.empty(t.shape, dtype=out_dtype).copy_(t)}
+        return {name: torch.empty(t.shape, dtype=out_dtype, device=t.device).copy_(t)}
     if t.dim() != 2:
         raise CheckpointError(f"{name}: {fmt.value} needs a 2-D [N, K] weight, got shape {list(t.shape)}")
     if fmt is StorageFormat.MXFP4:
@@ -78,16 +82,18 @@ def _formats(tensors: Mapping[str, torch.Tensor], formats: Mapping[str, str]) ->
 
 
 def quantize_roundtrip(
-    tensors: Mapping[str, torch.Tensor], formats: Mapping[str, str], *, dtype: torch.dtype = torch.float32
+    tensors: Mapping[str, torch.Tensor], formats: Mapping[str, str], *, dtype: torch.dtype = torch.float32,
+    on_device: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The values `CheckpointReader.load(dtype=dtype)` will return for these tensors once written.
 
-    Lets a caller snap its in-memory weights to exactly what the checkpoint will hold.
+    Lets a caller snap its in-memory weights to exactly what the checkpoint will hold (``on_device``: computed
+    where the tensors live, e.g. a model made on the GPU; else on the CPU).
     """
     fmts = _formats(tensors, formats)
     out = {}
     for name, tensor in tensors.items():
-        stored = quantize_tensor(name, tensor, fmts[name])
+        stored = quantize_tensor(name, tensor, fmts[name], on_device=on_device)
         scale = stored[scale_name(name)] if fmts[name].quantized else None
         out[name] = dequantize(fmts[name], stored[name], scale, dtype)
     return out

@@ -14,6 +14,29 @@ import torch
 from flashtier.engine.model.transformer import Transformer, weight_formats
 
 
+def _draw(name: str, shape: tuple[int, ...], normal) -> torch.Tensor:
+    """One parameter's random value under the scale rules above; ``normal(shape, std, mean)`` draws."""
+    if name.endswith("norm.weight"):
+        return normal(shape, 0.1, 1.0)
+    if name.endswith("attn_sink"):
+        return normal(shape, 1.0)
+    if "hc_" in name and name.endswith("_fn"):
+        return normal(shape, 0.5 / math.sqrt(shape[1]))
+    if "hc_" in name and name.endswith("_base"):
+        return normal(shape, 0.5)
+    if "hc_" in name and name.endswith("_scale"):
+        return normal(shape, 0.2, 1.0)
+    if name.endswith(("gate.bias", "gate.bias_vl")):
+        return normal(shape, 0.1)
+    if name.endswith(("q_weight", "k_weight")):
+        return normal(shape, 0.2, 1.0)
+    if name == "embed.weight" or name.endswith(("engram.embed.weight", "markov_head.embed.weight")):
+        return normal(shape, 1.0)
+    if len(shape) == 2:
+        return normal(shape, 1.0 / math.sqrt(shape[1]))
+    return normal(shape, 0.1)
+
+
 @torch.no_grad()
 def init_random_(model: Transformer, seed: int = 0) -> Transformer:
     """Fill every parameter from a generator seeded with ``seed``; mutates and returns ``model``."""
@@ -23,28 +46,7 @@ def init_random_(model: Transformer, seed: int = 0) -> Transformer:
         return torch.randn(shape, generator=gen) * std + mean
 
     for name, p in model.named_parameters():
-        shape = tuple(p.shape)
-        if name.endswith("norm.weight"):
-            v = normal(shape, 0.1, 1.0)
-        elif name.endswith("attn_sink"):
-            v = normal(shape, 1.0)
-        elif "hc_" in name and name.endswith("_fn"):
-            v = normal(shape, 0.5 / math.sqrt(shape[1]))
-        elif "hc_" in name and name.endswith("_base"):
-            v = normal(shape, 0.5)
-        elif "hc_" in name and name.endswith("_scale"):
-            v = normal(shape, 0.2, 1.0)
-        elif name.endswith(("gate.bias", "gate.bias_vl")):
-            v = normal(shape, 0.1)
-        elif name.endswith(("q_weight", "k_weight")):
-            v = normal(shape, 0.2, 1.0)
-        elif name == "embed.weight" or name.endswith(("engram.embed.weight", "markov_head.embed.weight")):
-            v = normal(shape, 1.0)
-        elif p.dim() == 2:
-            v = normal(shape, 1.0 / math.sqrt(shape[1]))
-        else:
-            v = normal(shape, 0.1)
-        p.copy_(v.to(p.dtype))
+        p.copy_(_draw(name, tuple(p.shape), normal).to(p.dtype))
     return model
 
 
@@ -71,3 +73,31 @@ def random_model(cfg, *, seed: int = 0, dtype: torch.dtype = torch.float32, with
         model = model.double()
     init_random_(model, seed)
     return snap_to_formats(model).eval()
+
+
+@torch.no_grad()
+def random_model_on_device(
+    cfg, device: torch.device | str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, with_dspark: bool = True
+) -> Transformer:
+    """``random_model`` built where it will run: parameters drawn and snapped to their formats on ``device``,
+    one tensor at a time (seconds for flash-16e on a GPU, where the CPU path takes minutes).
+
+    Same scale rules as ``random_model``, a different generator (values differ from the CPU model's).
+    """
+    from flashtier.engine.model.checkpoint import quantize_roundtrip
+    from flashtier.engine.model.engram import default_token_map
+
+    with torch.device("meta"):
+        model = Transformer(cfg, dtype=dtype, with_dspark=with_dspark)
+    model = model.to_empty(device=device)
+    model.token_map = default_token_map(cfg).to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(shape, std, mean=0.0):
+        return torch.randn(shape, generator=gen, device=device) * std + mean
+
+    formats = weight_formats(model)
+    for name, p in model.named_parameters():
+        v = _draw(name, tuple(p.shape), normal)
+        p.copy_(quantize_roundtrip({name: v}, {name: formats[name]}, on_device=True)[name].to(p.dtype))
+    return model.eval()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from flashtier.engine.model.numerics import up
+from flashtier.kernels.mhc_coeffs import mhc_coeffs
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,7 @@ def hc_mixes(
     t, hc, d = x.shape
     flat = up(x).reshape(t, hc * d)
     m = (flat @ up(fn).t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
-    b = up(base)
-    s = up(scale)
-    pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * s[1] + b[hc : 2 * hc])
-    c = torch.softmax((m[:, 2 * hc :] * s[2] + b[2 * hc :]).view(t, hc, hc), dim=-1) + hc_eps
-    c = c / (c.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + hc_eps)
-        c = c / (c.sum(-2, keepdim=True) + hc_eps)
+    pre, post, c = mhc_coeffs(m, base, scale, hc=hc, hc_eps=hc_eps, iters=sinkhorn_iters)
     return HcMix(pre, post, c)
 
 

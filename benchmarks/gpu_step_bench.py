@@ -1,0 +1,192 @@
+"""One decode step of the engine on one GPU: step time, per-op time, and the step's byte floor, same run.
+
+The model (``--preset``, random weights made on the GPU) runs in the engine with the batched forward. For each
+batch size B: B requests with ``--prompt``-token prompts are prefilled, then ``--steps`` decode steps are timed
+(each ``Engine.step()`` whole: schedule, forward, sampling, postprocess; synchronised). One more step runs
+under torch.profiler for the per-op table.
+
+    floor = (weight bytes the step reads + KV bytes it reads) / copy rate
+    weight bytes = every parameter as stored on the GPU, except: routed experts only those the step's routing
+                   chose (counted per layer), the embedding and Engram tables only the rows looked up
+    KV bytes     = per layer and row: window slots (528 B) + selected global entries (288 B) + index keys
+                   scored (68 B each, indexer layers)
+    copy rate    = bytes read + written by a 2 GiB device-to-device copy, measured in this run
+
+Usage: python3 -P benchmarks/gpu_step_bench.py --preset flash-16e --batches 1,64 --json OUT.json
+(flashtier importable, TRITON_INTERPRET=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from triton.testing import do_bench
+
+from flashtier.engine.config import EngineConfig
+from flashtier.engine.engine import Engine
+from flashtier.engine.model.config import preset
+from flashtier.engine.model.init import random_model_on_device
+from flashtier.engine.model.moe import MoE
+from flashtier.engine.sampling_params import SamplingParams
+from flashtier.kvstore.config import KVStoreConfig
+
+BLOCK = 64
+HOST_PROFILE = False
+
+
+def copy_rate() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def routed_experts_chosen(engine: Engine) -> dict[int, int]:
+    """Run one step with the MoE routing recorded: distinct experts chosen per MoE module."""
+    chosen: dict[int, set[int]] = defaultdict(set)
+    originals = {}
+    for mod in engine.model.modules():
+        if isinstance(mod, MoE):
+            originals[mod] = mod.route
+
+            def route(x, mod=mod, real=mod.route):
+                idx, w = real(x)
+                chosen[id(mod)].update(idx.flatten().tolist())
+                return idx, w
+
+            mod.route = route
+    engine.step()
+    for mod, real in originals.items():
+        mod.route = real
+    return {k: len(v) for k, v in chosen.items()}
+
+
+def weight_bytes(model, chosen: dict[int, int]) -> int:
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            per_expert = sum(p.numel() * p.element_size() for p in mod.experts[0].parameters())
+            total += per_expert * chosen.get(id(mod), len(mod.experts))
+            total += sum(p.numel() * p.element_size() for p in mod.shared_experts.parameters())
+            total += sum(p.numel() * p.element_size() for p in mod.gate.parameters())
+    for name, p in model.named_parameters():
+        if ".experts." in name or ".shared_experts." in name or ".gate." in name:
+            continue
+        if name == "embed.weight" or name.endswith("engram.embed.weight"):
+            continue  # rows gathered: negligible
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(cfg, batch: int, context: int) -> int:
+    per_row = 0
+    for role in cfg.layer_roles():
+        per_row += min(context, cfg.sliding_window) * 528 * cfg.head_dim // 512
+        if role.ratio:
+            n = context // role.ratio
+            per_row += min(n, cfg.index_topk) * 288 * cfg.head_dim // 512
+            if role.role in ("full", "reindex"):
+                per_row += n * 68 * cfg.index_head_dim // 128
+    return per_row * batch
+
+
+def profile_ops(engine: Engine) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - a profiler that cannot start must not lose the timings
+        return {"profiler failed": str(exc)[:80]}
+    ops = sorted(((e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    return {k[:60]: round(v, 3) for k, v in ops[:15]}
+
+
+def run_batch(model, batch: int, prompt: int, steps: int, rate: float) -> dict:
+    cfg = model.cfg
+    blocks = batch * (-(-(prompt + steps + 8) // BLOCK) + 1) + 8
+    ecfg = EngineConfig(device="cuda", dtype="bfloat16", forward="batched", max_num_seqs=batch,
+                        max_num_batched_tokens=4096)
+    engine = Engine(model, ecfg, KVStoreConfig(block_size=BLOCK, num_blocks=blocks))
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(f"r{i}", torch.randint(3, cfg.vocab_size - 1, (prompt,), generator=g).tolist(), params)
+    t0 = time.perf_counter()
+    while sum(1 for r in engine.requests.values() for s in r.seqs if s.output) < batch:
+        engine.step()
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    print(f"B={batch}: prefilled in {prefill_s:.1f} s", flush=True)
+    chosen = routed_experts_chosen(engine)
+    engine.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    ops = profile_ops(engine)
+    if HOST_PROFILE:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        engine.step()
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    step_ms = sorted(times)[len(times) // 2] * 1e3
+    wb, kb = weight_bytes(model, chosen), kv_bytes(cfg, batch, prompt + steps)
+    floor_ms = (wb + kb) / rate * 1e3
+    return {"batch": batch, "step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
+            "ratio": round(step_ms / floor_ms, 2), "tokens_per_s": round(batch / step_ms * 1e3, 1),
+            "weight_bytes": wb, "kv_bytes": kb, "prefill_s": round(prefill_s, 2),
+            "experts_touched_per_layer": round(sum(chosen.values()) / max(len(chosen), 1), 2), "ops_ms": ops}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="flash-16e")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json")
+    ap.add_argument("--host-profile", action="store_true", help="print a cProfile of one decode step")
+    args = ap.parse_args()
+    global HOST_PROFILE
+    HOST_PROFILE = args.host_profile
+    rate = copy_rate()
+    t = time.perf_counter()
+    model = random_model_on_device(preset(args.preset), "cuda", dtype=torch.bfloat16, with_dspark=False)
+    torch.cuda.synchronize()
+    made_s = time.perf_counter() - t
+    print(f"model made in {made_s:.1f} s", flush=True)
+    rows = []
+    for b in args.batches.split(","):
+        rows.append(run_batch(model, int(b), args.prompt, args.steps, rate))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "ops_ms"}), flush=True)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "preset": args.preset, "weights": "bf16 (checkpoint-format values)", "copy_GBps": round(rate / 1e9, 1),
+           "model_create_s": round(made_s, 1), "rows": rows}
+    print(f"copy {rate / 1e9:.0f} GB/s; model made on the GPU in {made_s:.1f} s")
+    print(f"{'B':>4} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>8}")
+    for r in rows:
+        print(f"{r['batch']:>4} {r['step_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['ratio']:>6.1f} {r['tokens_per_s']:>8.1f}")
+        for k, v in list(r["ops_ms"].items())[:8]:
+            print(f"      {v:8.3f} ms  {k}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
