@@ -10,9 +10,11 @@ SYS_STAMP := $(VENV)/.system-packages
 venv: $(STAMP)
 system: $(SYS_STAMP)
 
-# redis-server and prometheus are real processes the tests start on loopback ports.
+# redis-server and prometheus are real processes the tests start on loopback ports; promtool (Debian's
+# prometheus package) checks and unit-tests deploy/prometheus.
 $(SYS_STAMP):
-	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then \
+	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1 \
+			|| ! command -v promtool >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server prometheus >/dev/null; \
 	fi

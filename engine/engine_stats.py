@@ -9,6 +9,8 @@ other key is a counter (exported with ``_total``). Faults are counted by cause:
     ssd_admission_refusals                            writes refused: the budget is full of young records
     ssd_writer_dropped                                writes dropped: the write-behind queue was full
     ssd_read_errors                                   preads that failed (the blocks were misses)
+    ssd_budget_bytes, ssd_lifetime_s                  gauges: the SSD budget and guaranteed lifetime in force
+    snapshot_redis_calls, snapshot_redis_call_s       Redis round trips and their summed seconds (mean latency)
     snapshot_redis_op_errors{op=...}, snapshot_redis_op_timeouts{op=...}, snapshot_redis_skipped{op=...}
                                                       Redis calls failed / timed out / skipped (breaker open)
 """
@@ -66,6 +68,9 @@ def tier_stats(tiers: TierManager | None) -> dict[str, float]:
             out[f"ssd_{name}"] = getattr(s, name)
         for cause in WRITE_CAUSES:
             out[tier_key("ssd_write_errors", cause=cause)] = getattr(s, f"write_errors_{cause}")
+        # the settings the gauges above are judged against (dashboards, alert rules)
+        out["ssd_budget_bytes"] = tiers.config.ssd_budget_bytes
+        out["ssd_lifetime_s"] = tiers.config.ssd_lifetime_s
     if tiers.writer is not None:
         out["ssd_writer_dropped"] = tiers.writer.stats().dropped
     ps = tiers.snapshots.stats()
@@ -77,4 +82,6 @@ def tier_stats(tiers: TierManager | None) -> dict[str, float]:
                 out[tier_key(f"snapshot_{name}", op=op)] = n
         out["snapshot_redis_breaker_opens"] = ps.breaker_opens
         out["snapshot_redis_down"] = ps.redis_down
+        out["snapshot_redis_calls"] = ps.redis_calls
+        out["snapshot_redis_call_s"] = ps.redis_call_s
     return out

@@ -1,4 +1,4 @@
-"""The ``flashtier`` command: ``inspect``, ``generate`` and ``serve``.
+"""The ``flashtier`` command: ``inspect``, ``generate``, ``serve`` and ``kv`` (the SSD tier's tools, kv_admin.py).
 
 A bad command line or setting ends the command with one line on stderr, ``flashtier: error: ...``
 (for a setting: ``--flag VALUE: what is wrong; how to fix``), and exit status 2, never a traceback.
@@ -17,8 +17,6 @@ import json
 import os
 import sys
 from typing import TYPE_CHECKING, NoReturn
-
-import torch
 
 PROG = "flashtier"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -94,6 +92,8 @@ def _serve_seed(settings: ServerSettings) -> None:
     """vLLM's --seed: ``torch.manual_seed`` (every device's default generator), so the draws of requests
     without their own seed repeat from start-up. Without --seed the generators are left alone."""
     if settings.seed is not None:
+        import torch  # imported by the commands that need it: `flashtier kv` starts without it
+
         torch.manual_seed(settings.seed)
 
 
@@ -182,6 +182,10 @@ def build_parser(engine_factory: EngineClientFactory | None = None) -> argparse.
     srv.add_argument("--version", action="version", version=__version__)
     add_serve_arguments(srv)
     srv.set_defaults(func=functools.partial(_serve, engine_factory=engine_factory))
+
+    from flashtier.server.kv_admin import add_kv_parser
+
+    add_kv_parser(sub)  # kv stats | verify | wipe: the SSD tier's operator tools (kv_admin.py)
     return p
 
 
@@ -200,5 +204,7 @@ def main(argv: list[str] | None = None, *, engine_factory: EngineClientFactory |
 
 
 if __name__ == "__main__":
+    import torch
+
     torch.set_grad_enabled(False)
     sys.exit(main())

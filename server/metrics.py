@@ -75,7 +75,8 @@ LATENCY_BUCKETS = (0.01, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0
 BYTES_BUCKETS = (0.0, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10)
 FINISH_REASONS = ("stop", "length", "abort")
 # EngineStats.tiers keys (names, labels aside) that are levels, not running totals
-TIER_GAUGES = frozenset({"ssd_bytes", "ssd_entries", "ssd_segments", "ssd_oldest_entry_age_s", "snapshot_redis_down"})
+TIER_GAUGES = frozenset({"ssd_bytes", "ssd_entries", "ssd_segments", "ssd_oldest_entry_age_s", "snapshot_redis_down",
+                         "ssd_budget_bytes", "ssd_lifetime_s"})
 # HELP texts of the tier metrics that have one (the others get a generic line)
 TIER_DOCS = {
     "ssd_write_errors": "SSD writes (appends, fsyncs) that failed, by cause; those blocks are not persisted.",
@@ -90,6 +91,10 @@ TIER_DOCS = {
     "snapshot_redis_skipped": "Snapshot pool calls answered as a miss without calling Redis (breaker open).",
     "snapshot_redis_breaker_opens": "Times the snapshot pool found Redis down (its circuit breaker opened).",
     "snapshot_redis_down": "1 while the snapshot pool's circuit breaker is open (Redis considered down).",
+    "snapshot_redis_calls": "Redis round trips the snapshot pool sent (skipped calls excluded).",
+    "snapshot_redis_call_s": "Summed duration of the snapshot pool's Redis round trips (mean latency: / calls).",
+    "ssd_budget_bytes": "The SSD tier's disk budget (--kv-disk-budget).",
+    "ssd_lifetime_s": "The SSD tier's guaranteed lifetime after the last write (--kv-lifetime).",
 }
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
