@@ -54,6 +54,10 @@ class EncoderSnapshot:
     enc_start: int
     write_from: int
     tail_image: bytes  # the partial tail block's image (b"" when P is block-aligned)
+    # encoder outputs of positions [P - rows, P) (rows <= window): the decoder replay's input when the
+    # new prompt ends less than a window after P
+    tail_x: torch.Tensor | None = None  # [rows, hc, D], compute dtype
+    tail_pre: torch.Tensor | None = None  # [rows, hc]
 
 
 @dataclass
@@ -114,7 +118,8 @@ class PagedSequence:
         return d
 
     def install_snapshot(self, snap: EncoderSnapshot, prompt: list[int]) -> None:
-        """Continue exactly at ``snap.point``: encoder rings, partial groups, tokens and entry counts.
+        """Continue exactly at ``snap.point``: encoder rings, partial groups, replay tail, tokens and
+        entry counts (mutates all of them; the decoder rings are left to ``begin_decoder_replay``).
 
         The blocks below the point (and the tail block) must already be in the table.
         """
@@ -125,6 +130,8 @@ class PagedSequence:
         self.partial = {src: g for src, g in snap.partial.items()}
         self.enc_start, self.write_from = snap.enc_start, min(snap.write_from, snap.point)
         self.tokens = list(prompt[: snap.point])
+        self.tail_x = None if snap.tail_x is None else snap.tail_x.to(dev)
+        self.tail_pre = None if snap.tail_pre is None else snap.tail_pre.to(dev)
         self._set_counts(snap.point)
 
     def _set_counts(self, position: int) -> None:

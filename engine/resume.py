@@ -4,7 +4,8 @@ At admission a request pins its HBM hits (the leading ``hbm_blocks`` of its tabl
 for more. The lookup yields SSD images of the blocks after those hits and the best snapshot point P::
 
     blocks   [ HBM hits (pinned) | SSD images ............... ]
-    exact    [ keep P // bs      | load up to P // bs ][ tail ]   snapshot installed: continue at P
+    exact    [ keep P // bs      | load up to P // bs ][ tail ]   snapshot installed: continue at P (any P < n;
+                                                                  its replay tail feeds the decoder replay below P)
     replay   [ HBM hits          | every SSD image    ]           encoder bounded replay from r = blocks * bs
     cold     r < window: every block released, prefill from 0
 
@@ -100,17 +101,18 @@ def install_resume(
     if plan.point is None:
         return _replay_or_cold(kvm, seq, hashes, hbm_ids + loaded, plan, invalid=False, allow_replay=allow_replay,
                                fork_block=fork_block)
-    keep = hbm_ids[: plan.keep_hbm]
-    kvm.release(hbm_ids[plan.keep_hbm :])
     try:
-        snap = decode_snapshot(plan.payload, seq.kv.rings, spec.n_encoder_layers, spec.partial_order, plan.point,
-                               kvm.layout.block_bytes)
+        snap = decode_snapshot(plan.payload, seq.kv.rings, spec, point=plan.point, prompt_len=len(prompt),
+                               tail_bytes=kvm.layout.block_bytes)
     except ValueError as exc:
         log.warning("a snapshot failed validation (%s); falling back to bounded replay", exc)
         if plan.tail:
             kvm.release([fresh[-1].block_id])
-        return _replay_or_cold(kvm, seq, hashes, keep + loaded, plan, invalid=True, allow_replay=allow_replay,
+        # every HBM hit still counts (loaded SSD blocks follow them only when none lies beyond P)
+        return _replay_or_cold(kvm, seq, hashes, hbm_ids + loaded, plan, invalid=True, allow_replay=allow_replay,
                                fork_block=fork_block)
+    keep = hbm_ids[: plan.keep_hbm]
+    kvm.release(hbm_ids[plan.keep_hbm :])
     b = plan.point // bs
     table = keep + loaded + ([fresh[-1].block_id] if plan.tail else [])
     seq.kv.table.replace(table)

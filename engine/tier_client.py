@@ -7,6 +7,7 @@ fail a request. Byte images come from the ``KVManager``, snapshot payloads from 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 
 from flashtier.engine.kv_manager import CachedBlock, KVManager
 from flashtier.engine.request import Request, Sequence
@@ -15,6 +16,8 @@ from flashtier.engine.snapshot_codec import encode_snapshot
 from flashtier.engine.tiers import LookupQuery, SnapshotOutcome, TierLookup, TierManager
 from flashtier.kvstore.block_hash import replayed_namespace
 from flashtier.kvstore.snapshot import SnapshotKey
+
+log = logging.getLogger("flashtier.engine.tier_client")
 
 
 class TierClient:
@@ -27,8 +30,7 @@ class TierClient:
     def start_lookup(self, req: Request) -> concurrent.futures.Future[TierLookup]:
         """Ask the tiers for SSD blocks after the request's ``hbm_blocks`` HBM hits and a snapshot."""
         q = LookupQuery(req.namespace, req.prompt, req.hashes, req.hbm_blocks, self.kvm.block_size,
-                        self.kvm.spec.window, replayed_namespace(req.namespace) if self.allow_replay else None,
-                        req.fork_block)
+                        replayed_namespace(req.namespace) if self.allow_replay else None, req.fork_block)
         return self.tiers.lookup(q)
 
     def write_through(self, req: Request, blocks: list[CachedBlock]) -> None:
@@ -38,7 +40,8 @@ class TierClient:
             self.tiers.write_block(blk.block_hash, self.kvm.image(blk.block_id), req.persisted.add)
 
     def snapshot(self, req: Request, seq: Sequence) -> None:
-        """Put an encoder snapshot at P = len(tokens fed) into the snapshot pool (fire and forget).
+        """Put an encoder snapshot at P = len(tokens fed), replay tail included, into the snapshot pool
+        (fire and forget; a state the codec refuses is logged and not put).
 
         Needs every full block below P hashed (``KVManager.cache_full_blocks`` ran). A replayed
         (approximate) window state goes under ``replayed_namespace``: it never replaces, and is never
@@ -54,7 +57,11 @@ class TierClient:
         parent = seq.hashes[b - 1] if b else req.namespace
         tail = self.kvm.image(kv.table.ids[b]) if p % bs else b""
         spec = self.kvm.spec
-        payload = encode_snapshot(kv, spec.n_encoder_layers, tail, spec.partial_order)
+        try:
+            payload = encode_snapshot(kv, spec.n_encoder_layers, tail, spec.partial_order)
+        except ValueError as exc:  # an inconsistent replay tail: no snapshot beats a wrong one
+            log.warning("not snapshotting %s at %d: %s", req.request_id, p, exc)
+            return
         namespace = req.namespace if kv.replayed_from is None else replayed_namespace(req.namespace)
         key = SnapshotKey.for_tail(namespace, parent, kv.tokens[b * bs : p])
         self.tiers.put_snapshot(key, payload, req.persisted.add)

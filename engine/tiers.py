@@ -36,7 +36,6 @@ class LookupQuery:
     hashes: list[BlockHash]  # chained hashes of the prompt's full blocks
     hbm_blocks: int  # leading blocks already found in the runtime pool
     block_size: int
-    window: int
     replayed_namespace: BlockHash | None = None  # also resume replayed states (resume policy "replay")
     fork_block: int | None = None  # hashes[fork_block:] already follow a replayed fork (found in HBM)
 
@@ -163,9 +162,10 @@ class TierManager:
             further = self._on_ssd(forked, available)
             if further > available:
                 hashes, fork, available = forked, ForkedChain(tuple(forked), available), further
-        # the longest snapshot point P <= n - window whose full blocks are all available
-        best_b = min(available, max(0, n - q.window) // bs)
-        query = SnapshotQuery(q.namespace, q.replayed_namespace, q.prompt, hashes, bs, q.window)
+        # the longest snapshot point P < n whose full blocks are all available (its replay tail carries
+        # the encoder outputs that the decoder replay needs below P)
+        best_b = min(available, (n - 1) // bs)
+        query = SnapshotQuery(q.namespace, q.replayed_namespace, q.prompt, hashes, bs)
         found = await find_snapshot(self.snapshots, query, best_b)
         point, payload = found.point, found.payload
         result = (SnapshotOutcome.HIT if point is not None else SnapshotOutcome.ERROR if found.failed else

@@ -26,6 +26,11 @@ call probes. A Redis error *reply* (OOM, WRONGTYPE, ...) proves the server is up
 The log says it once per transition: WARNING when Redis goes down (or is unreachable at the first call),
 WARNING "back" when a call succeeds again; a refused operation is logged when it starts being refused.
 
+Value size: a V4.1-Flash snapshot is ~11.4 MiB (engine/snapshot_codec.py; the replay tail is 10 MiB of
+it), far below ``max_value_bytes`` (Redis' 512 MB ``proto-max-bulk-len``; a larger put is refused and
+counted in ``put_failures`` before anything is sent). It must also cross the network within
+``timeout_s``: ~0.1 s on 1 GbE, ~10 ms on 10 GbE or loopback; on a slower link raise the timeout.
+
 Concurrency: a ``redis.asyncio`` client belongs to the event loop that first uses it; call one pool from
 one loop. The counters are plain ints updated on that loop.
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -142,6 +148,7 @@ class RedisSnapshotPool(SnapshotPool):
             else:
                 st.skipped_by_op[op] += 1
             return False, None
+        started = time.monotonic()
         try:
             result = await asyncio.wait_for(make(), self.timeout_s)
         except _TIMEOUTS as exc:
@@ -162,6 +169,8 @@ class RedisSnapshotPool(SnapshotPool):
             if permit is Permit.PROBE:
                 self.breaker.release()
             raise
+        finally:
+            st.redis_calls, st.redis_call_s = st.redis_calls + 1, st.redis_call_s + time.monotonic() - started
         self._up()
         self._refused.discard(op)
         return True, result

@@ -6,9 +6,9 @@ A snapshot point is where a request's encoder state was saved (prompt end, gener
                                             ^ block_hash = h_{k-1}   (namespace root when k == 0)
     tail_hash = hash_block(block_hash, tail tokens)                   (= block_hash when tail_len == 0)
 
-The payload (SWA rings, ratio-2 partial-group state, the tail block's global KV) is serialised by the
-engine; kvstore treats it as opaque bytes. This module is the one owner of the snapshot key names and of
-the value byte format; the pools only move the bytes.
+The payload (SWA rings, ratio-2 partial-group state, the replay tail of encoder outputs, the tail
+block's global KV) is serialised by the engine; kvstore treats it as opaque bytes. This module is the
+one owner of the snapshot key names and of the value byte format; the pools only move the bytes.
 
 Redis key names (the ``{...}`` part is a Redis Cluster hash tag, so a point and its directory share a
 slot and can be written in one MULTI)::

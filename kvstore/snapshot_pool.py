@@ -57,6 +57,8 @@ class SnapshotStats:
     skipped_by_op: dict[str, int] = field(default_factory=dict)  # not sent: the circuit breaker was open
     breaker_opens: int = 0  # Redis pool: times Redis was found down (the circuit breaker opened)
     redis_down: int = 0  # gauge, Redis pool: 1 while the circuit breaker is open (calls are skipped)
+    redis_calls: int = 0  # Redis pool: round trips sent (skipped calls excluded), whatever their outcome
+    redis_call_s: float = 0.0  # Redis pool: their summed duration (mean latency = redis_call_s / redis_calls)
 
     @property
     def lookups(self) -> int:
@@ -154,7 +156,8 @@ class EmbeddedSnapshotPool(SnapshotPool):
       at every put, oldest first) and counted in ``expirations``.
     - Budget: the encoded size (header + payload) of all entries stays <= ``budget_bytes``. A put that
       does not fit evicts least-recently-used entries (``get`` and ``put`` refresh recency) and counts
-      ``evictions``; a value larger than the whole budget is refused (False).
+      ``evictions``; a value larger than the whole budget is refused (False). A V4.1-Flash payload is
+      ~11.4 MiB (engine/snapshot_codec.py, replay tail included): the default 4 GiB holds ~360.
     - Directory fields are removed together with the entry they name, so ``points`` lists live entries only.
     - Locking: one ``threading.Lock`` guards all state; it is held only for in-memory work (never across
       an ``await``), so the pool is safe from the event loop and from other threads at once.

@@ -1,9 +1,13 @@
 """``persisted_bytes`` counts only what became durable: fsynced SSD records and snapshots an
-out-of-process pool (Redis) confirmed; nothing for an embedded pool or with the SSD tier off."""
+out-of-process pool (Redis) confirmed (every payload byte, replay tail included); nothing for an
+embedded pool or with the SSD tier off."""
+
+import torch
 
 from flashtier.engine.kv_manager import CachedBlock
 from flashtier.engine.request import Request
 from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.snapshot_codec import payload_size
 from flashtier.engine.tier_client import TierClient
 from flashtier.engine.tiers import TierManager
 from flashtier.kvstore.block_hash import hash_blocks
@@ -23,6 +27,8 @@ def _written(tmp_path, *, ssd: bool, redis_url: str | None = None) -> tuple[int,
     seq = h.scheduler.new_sequence(req, 0)
     assert h.kvm.ensure_blocks(seq.kv, 25)
     seq.kv.tokens = prompt_of(25)
+    hc, dim = h.spec.stream_shape  # a full replay tail: the snapshot's largest part in the real geometry
+    seq.kv.tail_x, seq.kv.tail_pre = torch.ones(h.spec.window, hc, dim), torch.ones(h.spec.window, hc)
     hashes = hash_blocks(NAMESPACE, prompt_of(24), 8)
     client.write_through(req, [CachedBlock(b, hh) for b, hh in zip(seq.kv.table.ids, hashes)])
     seq.hashes = hashes
@@ -44,6 +50,8 @@ def test_redis_snapshots_count_when_redis_confirmed(tmp_path):
     server = RedisServer().start()
     try:
         value, block_bytes = _written(tmp_path, ssd=False, redis_url=server.url)
-        assert value > 0 and value % block_bytes != 0  # the snapshot payload (rings + tail block)
+        spec = Harness(block_size=8).spec
+        absent = len(spec.partial_order) * 2 * spec.head_dim * 4  # no ratio-2 group is pending
+        assert value == payload_size(spec, block_bytes).total - absent  # rings, replay tail, tail block
     finally:
         server.stop()

@@ -3,8 +3,10 @@ namespace, never where an exact one is; lookups prefer exact snapshots and only 
 when allowed and no exact one is there. Real embedded snapshot pool; no model."""
 
 import asyncio
+import struct
 from dataclasses import dataclass, field
 
+from flashtier.engine.snapshot_codec import MAGIC, VERSION
 from flashtier.engine.snapshot_search import SnapshotQuery, find_snapshot
 from flashtier.engine.tier_client import TierClient
 from flashtier.kvstore.block_hash import hash_blocks, replayed_namespace
@@ -63,8 +65,8 @@ def _pool_with(points: dict[str, list[int]]) -> EmbeddedSnapshotPool:
 
 
 def _find(pool, allow_replayed: bool):
-    q = SnapshotQuery(NAMESPACE, replayed_namespace(NAMESPACE) if allow_replayed else None, PROMPT, HASHES, 4, 16)
-    found = asyncio.run(find_snapshot(pool, q, best_b=(60 - 16) // 4))
+    q = SnapshotQuery(NAMESPACE, replayed_namespace(NAMESPACE) if allow_replayed else None, PROMPT, HASHES, 4)
+    found = asyncio.run(find_snapshot(pool, q, best_b=len(PROMPT) // 4))  # one boundary more than tiers asks
     return found.payload.decode() if found.payload else None
 
 
@@ -72,5 +74,20 @@ def test_lookups_prefer_exact_snapshots_and_take_replayed_ones_only_when_allowed
     assert _find(_pool_with({"exact": [22], "replayed": [41]}), allow_replayed=True) == "exact@22"
     assert _find(_pool_with({"replayed": [41, 30]}), allow_replayed=True) == "replayed@41"
     assert _find(_pool_with({"replayed": [41]}), allow_replayed=False) is None
-    assert _find(_pool_with({"exact": [45]}), allow_replayed=True) is None  # beyond n - window = 44
     assert _find(_pool_with({"exact": [44, 9]}), allow_replayed=False) == "exact@44"
+
+
+def test_any_point_before_the_prompt_end_is_a_candidate():
+    """P = n - 1 (less than a window before the end: its replay tail covers the decoder replay); P = n never
+    (the scheduler feeds at least one token)."""
+    assert _find(_pool_with({"exact": [59, 30]}), allow_replayed=False) == "exact@59"
+    assert _find(_pool_with({"exact": [60, 45]}), allow_replayed=False) == "exact@45"
+
+
+def test_a_payload_of_an_older_codec_version_is_a_miss():
+    pool = _pool_with({"exact": [22]})
+    key = SnapshotKey.for_tail(NAMESPACE, HASHES[10 - 1], PROMPT[40:41])
+    assert asyncio.run(pool.put(key, struct.pack("<4sI", MAGIC, VERSION - 1) + b"old"))
+    q = SnapshotQuery(NAMESPACE, None, PROMPT, HASHES, 4)
+    found = asyncio.run(find_snapshot(pool, q, best_b=14))
+    assert (found.point, found.payload, found.listed) == (22, b"exact@22", True)  # 41 skipped, 22 taken

@@ -22,7 +22,7 @@ def test_inspect_real_geometry_json():
     assert kv["global_bytes_per_token"] == 890
     assert kv["swa_bytes_per_slot"] == 528
     assert kv["swa_bytes_per_sequence"] == 40 * 128 * 528
-    assert kv["snapshot_bytes"] == 20 * 128 * 528 + 3 * 2 * 512 * 4
+    assert kv["snapshot_bytes"] == 20 * 128 * 528 + 3 * 2 * 512 * 4 + 128 * 4 * (5120 + 1) * 4  # + replay tail
     layers = data["layers"]
     assert len(layers) == 40 and layers[0] == {"index": 0, "part": "encoder", "role": "swa", "ratio": 0}
     roles = {row["index"]: (row["part"], row["role"], row["ratio"]) for row in layers}
