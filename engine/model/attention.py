@@ -9,22 +9,16 @@ assembled by the caller (the reference pass or the incremental path) and handed 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtier.engine.model.compressor import Compressor
 from flashtier.engine.model.config import LayerRole, ModelConfig
+from flashtier.engine.model.fp8_linear import grouped_linear, linear
 from flashtier.engine.model.indexer import Indexer
 from flashtier.engine.model.norm import RMSNorm
 from flashtier.engine.model.numerics import qdq, up
 from flashtier.engine.model.rope import make_rope
 from flashtier.kernels.quant_fp8 import fp8_qdq
-
-
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x @ W^T in the weight's dtype, returned in fp32."""
-    w = layer.weight
-    return up(F.linear(x.to(w.dtype), w))
 
 
 class Attention(nn.Module):
@@ -54,8 +48,8 @@ class Attention(nn.Module):
 
     def project_q(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries [T, H, hd] (RoPE applied) and the shared LoRA activation qr [T, q_lora]."""
-        qr = self.q_norm(linear(h, self.wq_a))
-        q = linear(qr, self.wq_b).view(h.shape[0], self.n_heads, self.head_dim)
+        qr = self.q_norm(linear(h, self.wq_a))  # act quant: official Attention.forward, self.wq_a(x) (fp8 Linear)
+        q = linear(qr, self.wq_b).view(h.shape[0], self.n_heads, self.head_dim)  # act quant: self.wq_b(qr)
         return self.rope.apply(q, pos), qr
 
     def project_kv_raw(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -63,6 +57,7 @@ class Attention(nn.Module):
 
         Caches store ``quantize_fp8`` of this; the values every reader sees are ``project_kv``.
         """
+        # act quant: official Attention._window_kv, self.wkv(x) (fp8 Linear)
         return self.rope.apply(self.kv_norm(linear(h, self.wkv)), pos)
 
     def project_kv(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -73,9 +68,9 @@ class Attention(nn.Module):
         """Undo the query rotation on o [T, H, hd], grouped low-rank wo_a, then wo_b -> [T, D]."""
         t = o.shape[0]
         o = self.rope.apply(o, pos, inverse=True).reshape(t, self.groups, -1)
-        wa = self.wo_a.weight.view(self.groups, -1, o.shape[-1])
-        y = up(torch.einsum("tgd,grd->tgr", o.to(wa.dtype), wa))
-        return linear(y.reshape(t, -1), self.wo_b)
+        # NO act quant: official Attention.forward runs wo_a as a bf16 einsum (convert.py dequantises it)
+        y = grouped_linear(o, self.wo_a, self.groups)
+        return linear(y.reshape(t, -1), self.wo_b)  # act quant: official self.wo_b(o.flatten(2)) (fp8 Linear)
 
 
 def sparse_attention(

@@ -26,6 +26,7 @@ from torch import nn
 from flashtier.engine.model.attention import sparse_attention
 from flashtier.engine.model.block import Block
 from flashtier.engine.model.config import LayerRole, ModelConfig
+from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.mhc import hc_pre, identity_pre
 from flashtier.engine.model.norm import RMSNorm
 from flashtier.engine.model.numerics import up
@@ -89,8 +90,8 @@ def seed_rings(model, rings: DSparkRings, main_hidden: torch.Tensor, pos: torch.
     """
     stages = model.mtp
     w = model.cfg.sliding_window
-    main_x = stages[0].main_norm(up(F.linear(main_hidden.flatten(1).to(stages[0].main_proj.weight.dtype),
-                                          stages[0].main_proj.weight)))
+    # act quant: official DSparkBlock.forward_embed, self.main_proj(main_hidden) (fp8 Linear)
+    main_x = stages[0].main_norm(linear(main_hidden.flatten(1), stages[0].main_proj))
     keep = slice(max(0, pos.numel() - w), pos.numel())
     for i, stage in enumerate(stages):
         kv = stage.attn.project_kv(stage.attn_norm(main_x[keep]), pos[keep])

@@ -21,10 +21,10 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtier.engine.model.config import ModelConfig
+from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.numerics import up
 
 
@@ -113,7 +113,7 @@ class Engram(nn.Module):
         cfg = self.cfg
         t, hc, d = h.shape
         e = self.embed.weight[self.rows(ngram_ids)].reshape(t, -1)
-        kv = up(F.linear(e.to(self.wkv.weight.dtype), self.wkv.weight))
+        kv = linear(e, self.wkv)  # act quant: official Engram.forward, self.wkv(self.embed(...)) (fp8 Linear)
         key = kv[:, : hc * d].view(t, hc, d)
         value = kv[:, hc * d :]
         h = up(h)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from flashtier.engine.model.config import ModelConfig
+from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.norm import RMSNorm
 from flashtier.engine.model.numerics import qdq, up
 from flashtier.engine.model.rope import make_rope
@@ -42,8 +43,8 @@ class Indexer(nn.Module):
         self, qr: torch.Tensor, h: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries q [T, IH, ID] (RoPE + MXFP4 qdq) and head weights w [T, IH]."""
-        wq = self.wq_b.weight
-        q = up((qr.to(wq.dtype) @ wq.t())).view(qr.shape[0], self.n_heads, self.head_dim)
+        # act quant: official Indexer.forward, self.wq_b(qr) (fp8 ColumnParallelLinear); weights_proj is bf16: none
+        q = linear(qr, self.wq_b).view(qr.shape[0], self.n_heads, self.head_dim)
         q = qdq(mxfp4_qdq, self.rope.apply(q, pos))
         ww = self.weights_proj.weight
         w = up((h.to(ww.dtype) @ ww.t())) * self.weight_scale
