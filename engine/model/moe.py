@@ -1,20 +1,33 @@
 """Mixture of experts: sqrt-softplus gate with a selection-only bias, top-k routed + shared expert.
 
-    s   = sqrt(softplus(x @ Wg^T / gate_temp))                 fp32 [E]
-    idx = topk(s + bias, k)                                    the bias only selects
+    s   = sqrt(softplus(x @ Wg^T / gate_temp))                 fp32 [E] (logit and softplus in float64)
+    idx = topk(s + bias, k)                                    the bias only selects; ties to the lower expert
     w   = s[idx] / (sum s[idx] + 1e-20) * routed_scaling_factor
-    expert(x, w) = w2(w * silu(min(w1 x, L)) * clamp(w3 x, -L, L))   L = swiglu_limit (10), fp32
-    y   = sum_routed + shared_expert(x)                        (V4.1 clamps the shared expert too)
+    xq  = fp8_qdq(x)                                           e4m3, one ue8m0 scale per 32 (official linear())
+    expert(xq, w) = w2(fp8_qdq(w * (silu(min(w1 xq, L)) * clamp(w3 xq, -L, L))))   L = swiglu_limit, fp32
+    y   = sum of the routed experts in ascending id + shared_expert(xq)   (V4.1 clamps the shared expert too)
+
+The spec of each piece, with what it settles that the official code leaves open, lives beside its kernel:
+routing in ``kernels/moe_route_ref.py``, the experts and the two FP8 activation quantisations (where the
+official ``linear()`` runs ``act_quant`` before ``fp4_gemm`` / ``fp8_gemm``) in
+``kernels/moe_grouped_gemm_ref.py``. Two paths run it:
+
+- float experts (``nn.Linear`` per expert: what the checkpoint loader builds, the CPU engine and the
+  float64 oracle run): the reference, plain torch, a Python loop over the chosen experts;
+- ``ExpertWeights`` (after ``moe_convert.convert_experts_``): routing and experts through the kernels,
+  Triton on CUDA (no host sync, one grouped launch per projection), their reference elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtier.engine.model.config import ModelConfig
-from flashtier.engine.model.numerics import up
+from flashtier.engine.model.expert_weights import ExpertWeights
+from flashtier.kernels.moe_grouped_gemm import moe_grouped_ffn
+from flashtier.kernels.moe_grouped_gemm_ref import DenseExpert, moe_ffn_reference
+from flashtier.kernels.moe_route import moe_route
 
 
 class Gate(nn.Module):
@@ -26,18 +39,16 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
+    """One SwiGLU expert's float weights (checkpoint names ``w1`` gate, ``w3`` up, ``w2`` down)."""
+
     def __init__(self, dim: int, inter: int, dtype: torch.dtype):
         super().__init__()
         self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
         self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
         self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
-        """x [N, D], weight [N] -> [N, D] fp32; the routing weight is applied before w2."""
-        a = up(F.linear(x.to(self.w1.weight.dtype), self.w1.weight))
-        b = up(F.linear(x.to(self.w3.weight.dtype), self.w3.weight))
-        act = weight[:, None] * F.silu(a.clamp(max=limit)) * b.clamp(-limit, limit)
-        return up(F.linear(act.to(self.w2.weight.dtype), self.w2.weight))
+    def weights(self) -> DenseExpert:
+        return self.w1.weight, self.w3.weight, self.w2.weight
 
 
 class MoE(nn.Module):
@@ -47,23 +58,28 @@ class MoE(nn.Module):
         self.top_k, self.limit = top_k, cfg.swiglu_limit
         self.route_scale, self.gate_temp = cfg.routed_scaling_factor, cfg.gate_temp
         self.gate = Gate(d, n_experts, dtype)
-        self.experts = nn.ModuleList(Expert(d, inter, dtype) for _ in range(n_experts))
-        self.shared_experts = Expert(d, inter * cfg.n_shared_experts, dtype)
+        # nn.ModuleList of Expert, or ExpertWeights once converted (then shared_experts is None: it lives there)
+        self.experts: nn.Module = nn.ModuleList(Expert(d, inter, dtype) for _ in range(n_experts))
+        self.shared_experts: Expert | None = Expert(d, inter * cfg.n_shared_experts, dtype)
+
+    @property
+    def converted(self) -> bool:
+        """True once the experts are an ``ExpertWeights`` (the device path)."""
+        return isinstance(self.experts, ExpertWeights)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Selected experts [N, k] and their weights [N, k] (fp32)."""
-        logits = F.linear(up(x), up(self.gate.weight)) / self.gate_temp
-        s = torch.sqrt(F.softplus(logits))
-        idx = torch.topk(s + up(self.gate.bias), self.top_k, dim=-1).indices
-        w = torch.gather(s, 1, idx)
-        return idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        """Selected experts ``[N, k]`` int32 and their weights ``[N, k]`` (fp32; float64 in float64 mode)."""
+        impl = self.experts.impl if self.converted else "reference"
+        return moe_route(x, self.gate.weight, self.gate.bias, self.top_k, self.route_scale, self.gate_temp, impl=impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] -> [N, D] fp32."""
+        """x [N, D] -> [N, D] fp32 (float64 in float64 mode). Reads the weights only."""
         idx, w = self.route(x)
-        y = torch.zeros_like(up(x))
-        for e in torch.unique(idx).tolist():
-            rows, slot = torch.nonzero(idx == e, as_tuple=True)
-            y.index_add_(0, rows, self.experts[e](x[rows], w[rows, slot], self.limit))
-        ones = torch.ones(x.shape[0], dtype=y.dtype, device=x.device)
-        return y + self.shared_experts(x, ones, self.limit)
+        if self.converted:
+            ew = self.experts
+            return moe_grouped_ffn(x, idx, w, ew.routed(), ew.shared(), self.limit, impl=ew.impl)
+        # The spec, on float weights. Like the official inference/model.py it quantises to FP8 (e4m3, ue8m0
+        # per 32) the input of w1 / w3 and the weighted SwiGLU output before w2: its linear() runs act_quant
+        # before every fp4_gemm (routed experts) and fp8_gemm (shared expert).
+        experts, shared = self.experts, self.shared_experts
+        return moe_ffn_reference(x, idx, w, lambda e: experts[e].weights(), shared.weights(), self.limit)

@@ -1,0 +1,194 @@
+"""moe_grouped_ffn: grouped expert GEMMs + combine (Triton) against the plain-torch reference.
+
+CPU grids (kernels interpreted): tokens N in {1, 3, 17, 64, 300} with (experts, top-k) (16, 6) or (8, 2),
+on the tiny preset's geometry (D = 64, I = 32) and on D = 128, I = 96 (two K steps, a half-empty N tile).
+Routed experts are random MXFP4 stacks, the shared expert random FP8 with 32 x 32 blocks, the routing from
+``moe_route``. N = 1, 3 run the shipped tile config; 17, 64, 300 a 64 x 64 one (fewer interpreted programs;
+the batch-invariance and w2-stage tests run the shipped one too).
+GPU (``-m gpu``): the flash-16e geometry (D = 5120, I = 2304, 16 experts, top-6, shared I = 2304).
+
+Tolerance, per token row, relative RMS against the fp32 reference:
+- The GEMMs multiply exactly (bf16 operands hold the MXFP4 / FP8 values exactly; fp32 operands under the
+  interpreter) and differ from the reference only in summation order: <= 1e-6 (measured ~1e-8 on the CPU).
+- That noise can move an activation across an FP8 rounding boundary before w2 (probability ~1e-6 per
+  element on the CPU); the element then moves one e4m3 step (<= 1/8 of it), which moves its row by up to
+  ~1e-2 at I = 32. So: at most 1% of rows above 1e-6, none above 5e-2. On the GPU (I = 2304) the noise is
+  ~1e-6 and a flip moves a row by ~1e-3: median <= 1e-5, every row <= 5e-3.
+Stages are also checked alone: w2 on identical activations (<= 1e-6, no quantisation between) and the
+combine (bit-identical to the reference's summation order). A corrupted weight byte fails the check.
+"""
+
+import os
+
+import pytest
+import torch
+
+from flashtier.kernels._moe_combine_triton import moe_combine_triton
+from flashtier.kernels._moe_grouped_gemm_triton import DEFAULT_CONFIG, MoEGemmConfig, launch_moe_gemm
+from flashtier.kernels.fp8_weight import as_raw_bytes, quantize_fp8_weight
+from flashtier.kernels.moe_align import moe_align
+from flashtier.kernels.moe_grouped_gemm import moe_grouped_ffn
+from flashtier.kernels.moe_grouped_gemm_ref import combine_reference, dense_fp8_expert, dense_mxfp4_expert
+from flashtier.kernels.moe_route import moe_route
+from flashtier.kernels.moe_weights import FP8Expert, MXFP4Experts
+from flashtier.kernels.quant_mxfp4 import quantize_mxfp4
+
+BIG_TILES = MoEGemmConfig(block_m=64)
+GRID = [  # (N, experts, top-k, D, I, config)
+    (1, 16, 6, 64, 32, DEFAULT_CONFIG),
+    (3, 16, 6, 64, 32, DEFAULT_CONFIG),
+    (17, 8, 2, 128, 96, BIG_TILES),  # two K steps per projection, a half-empty 64-column tile
+    (64, 16, 6, 64, 32, BIG_TILES),
+    (300, 8, 2, 64, 32, BIG_TILES),
+]
+LIMIT = 10.0
+
+
+def make_experts(e, d, i, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, d, generator=g, device=device) / d**0.5
+    w2 = torch.randn(e, d, i, generator=g, device=device) / i**0.5
+    routed = MXFP4Experts(*quantize_mxfp4(w13), *quantize_mxfp4(w2))
+    s13 = torch.randn(2 * i, d, generator=g, device=device) / d**0.5
+    s2 = torch.randn(d, i, generator=g, device=device) / i**0.5
+    shared = FP8Expert(*(as_raw_bytes(t) for t in (*quantize_fp8_weight(s13), *quantize_fp8_weight(s2))))
+    return routed, shared
+
+
+def make_case(n, e, k, d, i, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    x = 3 * torch.randn(n, d, generator=g, device=device)  # |a| and |b| reach the SwiGLU clamp
+    gate = torch.randn(e, d, generator=g, device=device) / d**0.5
+    idx, w = moe_route(x, gate, torch.zeros(e, device=device), k, 1.5)
+    return x, idx, w
+
+
+def row_errors(ref, out):
+    ref, out = ref.double().cpu(), out.double().cpu()
+    assert bool(torch.isfinite(out).all())
+    return (out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+
+
+def assert_close_rows(ref, out, tight=1e-6, loose=5e-2, max_loose_frac=0.01):
+    err = row_errors(ref, out)
+    n_loose = int((err > tight).sum())
+    assert n_loose <= max_loose_frac * err.numel(), f"{n_loose} of {err.numel()} rows above {tight}: {err.max():.2e}"
+    assert float(err.max()) <= loose, f"worst row {float(err.max()):.2e} > {loose}"
+
+
+@pytest.fixture(scope="module")
+def grid_results():
+    out = {}
+    for n, e, k, d, i, cfg in GRID:
+        routed, shared = make_experts(e, d, i, seed=n)
+        x, idx, w = make_case(n, e, k, d, i, seed=n)
+        ref = moe_grouped_ffn(x, idx, w, routed, shared, LIMIT, impl="reference")
+        tri = moe_grouped_ffn(x, idx, w, routed, shared, LIMIT, impl="triton", config=cfg)
+        out[n] = dict(routed=routed, shared=shared, x=x, idx=idx, w=w, ref=ref, tri=tri)
+    return out
+
+
+@pytest.mark.parametrize("n", [g[0] for g in GRID])
+def test_triton_matches_reference(grid_results, n):
+    r = grid_results[n]
+    assert r["tri"].dtype == torch.float32 and r["tri"].shape == r["ref"].shape
+    assert_close_rows(r["ref"], r["tri"])
+
+
+def test_a_corrupted_weight_byte_is_detected(grid_results):
+    r = grid_results[17]
+    e = int(r["idx"][0, 0])
+    bad = MXFP4Experts(r["routed"].w13_codes.clone(), *r["routed"][1:])
+    bad.w13_codes[e, 5, 3] ^= 0x77  # two codes of row 5 of expert e's w1
+    ref = moe_grouped_ffn(r["x"], r["idx"], r["w"], bad, r["shared"], LIMIT, impl="reference")
+    with pytest.raises(AssertionError, match="rows above"):
+        assert_close_rows(ref, r["tri"])
+
+
+def test_w2_stage_alone_is_tight():
+    """The w2 launch (routed tiles, then the shared expert's) on given activations: only the summation order
+    differs from act @ W2^T."""
+    n, e, k, d, i = 17, 8, 2, 128, 96
+    routed, shared = make_experts(e, d, i, seed=3)
+    _, idx, _ = make_case(n, e, k, d, i, seed=3)
+    bm = DEFAULT_CONFIG.block_m
+    al = moe_align(idx, e, bm, impl="reference")
+    n_r = al.sorted_ids.numel()
+    act = torch.randn(n_r + bm * (-(-n // bm)), i).to(torch.bfloat16)
+    out = launch_moe_gemm(act, torch.empty(n * k + n, d), (routed.w2_codes, routed.w2_scales),
+                          (shared.w2_codes, shared.w2_scales), gated=False, ids=al.sorted_ids,
+                          block_expert=al.block_expert, n_tok=n, top_k=k, k_r=i, k_s=i, n_r=d, n_s=d)
+    ref = torch.empty(n * k + n, d)
+    for row, f in enumerate(al.sorted_ids.tolist()):
+        if f < n * k:
+            ref[f] = act[row].float() @ dense_mxfp4_expert(routed, int(al.block_expert[row // bm]))[2].T
+    ref[n * k :] = act[n_r : n_r + n].float() @ dense_fp8_expert(shared)[2].T
+    assert float(row_errors(ref, out).max()) <= 1e-6
+
+
+def test_combine_is_the_reference_order_bit_for_bit():
+    n, k, d = 37, 6, 300
+    out = torch.randn(n * k, d)
+    idx = torch.rand(n, 16).argsort(dim=1)[:, :k].int()
+    shared = torch.randn(n, d)
+    ref = combine_reference(out.view(n, k, d), idx, shared)
+    assert torch.equal(moe_combine_triton(out, idx, shared), ref)
+    assert torch.equal(moe_combine_triton(out, idx, None), combine_reference(out.view(n, k, d), idx, None))
+
+
+def test_token_alone_equals_token_in_batch():
+    n, e, k, d, i = 64, 8, 2, 64, 32
+    routed, shared = make_experts(e, d, i, seed=4)
+    x, idx, w = make_case(n, e, k, d, i, seed=4)
+    batch = moe_grouped_ffn(x, idx, w, routed, shared, LIMIT, impl="triton")
+    for t in (0, 41):
+        alone = moe_grouped_ffn(x[t : t + 1], idx[t : t + 1], w[t : t + 1], routed, shared, LIMIT, impl="triton")
+        assert torch.equal(alone[0], batch[t])
+
+
+def test_without_shared_expert_and_empty_batch():
+    n, e, k, d, i = 3, 8, 2, 64, 32
+    routed, _ = make_experts(e, d, i, seed=6)
+    x, idx, w = make_case(n, e, k, d, i, seed=6)
+    ref = moe_grouped_ffn(x, idx, w, routed, None, LIMIT, impl="reference")
+    assert_close_rows(ref, moe_grouped_ffn(x, idx, w, routed, None, LIMIT, impl="triton"))
+    empty = moe_grouped_ffn(x[:0], idx[:0], w[:0], routed, None, LIMIT, impl="triton")
+    assert empty.shape == (0, d)
+
+
+def test_bad_arguments_raise():
+    routed, shared = make_experts(8, 64, 32)
+    x, idx, w = make_case(3, 8, 2, 64, 32)
+    cases = [
+        (dict(x=x[:, :40]), "D a positive multiple of 32"),
+        (dict(idx=idx.float()), r"idx must be an int32/int64 tensor \[3, k\]"),
+        (dict(route_w=w[:, :1]), "route_w must be a float tensor"),
+        (dict(experts=routed._replace(w2_codes=routed.w2_codes[:, :, :8])),
+         r"experts.w2_codes must have shape \[8, 64, 16\]"),
+        (dict(shared=shared._replace(w13_scales=shared.w13_scales.float())), "shared.w13_scales must be a uint8"),
+        (dict(limit=0.0), "limit .swiglu_limit. must be a positive finite number"),
+        (dict(x=x.double(), impl="triton"), "float64 runs with impl='reference'"),
+    ]
+    for change, match in cases:
+        args = dict(x=x, idx=idx, route_w=w, experts=routed, shared=shared, limit=LIMIT) | change
+        with pytest.raises(ValueError, match=match):
+            moe_grouped_ffn(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton (TRITON_INTERPRET=0)")
+def test_real_geometry_gpu():
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's GEMMs in true fp32
+    e, k, d, i = 16, 6, 5120, 2304
+    routed, shared = make_experts(e, d, i, device="cuda")
+    x, idx, w = make_case(300, e, k, d, i, device="cuda")
+    for n in (1, 3, 17, 64, 300):
+        out = moe_grouped_ffn(x[:n], idx[:n], w[:n], routed, shared, LIMIT)
+        ref = moe_grouped_ffn(x[:n], idx[:n], w[:n], routed, shared, LIMIT, impl="reference")
+        err = row_errors(ref, out)
+        assert float(err.median()) <= 1e-5 and float(err.max()) <= 5e-3, f"N={n}: {err.median():.1e} {err.max():.1e}"
+        if n == 64:  # batch invariance on the device
+            for t in (0, 63):
+                alone = moe_grouped_ffn(x[t : t + 1], idx[t : t + 1], w[t : t + 1], routed, shared, LIMIT)
+                assert torch.equal(alone[0], out[t])
