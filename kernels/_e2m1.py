@@ -9,9 +9,18 @@ even code, saturating at 6. Per magnitude ``a = |x / s|``:
     a <= 0.25 -> 0      0.25 < a < 0.75 -> 0.5    0.75 <= a <= 1.25 -> 1    1.25 < a < 1.75 -> 1.5
     1.75 <= a <= 2.5 -> 2    2.5 < a < 3.5 -> 3    3.5 <= a <= 5 -> 4    a > 5 -> 6
 
-i.e. the ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to 0, 1, 1, 2, 2, 4, 4. The sign bit is set iff the
-input x < 0: -0.0 gives code 0, while -0.1 that rounds to zero gives code 8 ("negative zero", decoded as -0.0).
-Non-finite inputs are outside the contract.
+i.e. the ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to 0, 1, 1, 2, 2, 4, 4. The code's sign bit is the
+input's sign bit, so -0.0 and every negative value that rounds to zero (-0.1, -0.25) give code 8 ("negative
+zero", decoded as -0.0), and quantising a decoded -0.0 again gives code 8 once more. Non-finite inputs are
+outside the contract.
+
+Why code 8: it is the byte the official quantiser writes, so FP4 records stay byte-identical to it.
+``fp4_quant_kernel`` of the official ``inference/kernel.py`` (V4-Flash copy: lines 129-183, the cast at
+169-177; V4.1 calls the same ``fp4_act_quant`` from ``Indexer.forward`` and ``Attention._compress_kv``)
+stores ``T.Cast(FP4, clamp(x / s, -6, 6))``. TileLang lowers that cast to ``__nv_fp4_e2m1(float)``
+(``src/tl_templates/cuda/cuda_fp4.h``, ``fp4_e2_t(float)``), i.e. CUDA's ``__nv_cvt_float_to_fp4(x,
+__NV_E2M1, cudaRoundNearest)``; on SM90 that is ``__nv_cvt_double_to_fp4`` in ``cuda_fp4.hpp``, which
+returns 0 for |x| <= 0.25 and then ORs in the input's sign bit (``res |= sign``): -0.0 -> 0x8.
 
 Packing: two codes per byte, the EVEN element in the LOW nibble: ``byte[i] = code[2i] | code[2i+1] << 4``.
 """
@@ -28,6 +37,8 @@ E2M1_MAX = 6.0
 
 def e2m1_codes(q: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     """uint8 e2m1 codes of fp32 ``q`` (already divided by its scale); ``negative`` sets the sign bit.
+
+    Callers pass ``torch.signbit(x)`` of the unscaled input (True for -0.0 too, see the module docstring).
 
     Each comparison adds one step up the value table; ">" at a midpoint leaves the tie on the lower
     (even) code, ">=" sends it to the upper (even) code.
@@ -60,6 +71,12 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., D // 2]`` bytes -> ``[..., D]`` codes (inverse of :func:`pack_nibbles`)."""
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+@triton.jit
+def _sign_bit(x):
+    """bool: the sign bit of fp32 ``x`` (True for -0.0, unlike ``x < 0``)."""
+    return x.to(tl.int32, bitcast=True) < 0
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtier.kernels._e2m1 import _e2m1_code, _e2m1_to_f32
+from flashtier.kernels._e2m1 import _e2m1_code, _e2m1_to_f32, _sign_bit
 from flashtier.kernels._fp8_bits import (
     _e4m3_code,
     _e4m3_to_f32,
@@ -64,15 +64,15 @@ def _quantize_e2m1_kernel(
         b_sc = _e8m0_scale_exponent(b_amax, 6.0)  # a correctly rounded amax / 6 (div_rn)
         # x * 2^-k equals x / 2^k bit for bit (one rounding of the same value): no division needed here.
         b_inv = _e8m0_reciprocal(b_sc)[:, None]
-        c_lo = _e2m1_code(b_lo * b_inv, b_lo < 0)
-        c_hi = _e2m1_code(b_hi * b_inv, b_hi < 0)
+        c_lo = _e2m1_code(b_lo * b_inv, _sign_bit(b_lo))
+        c_hi = _e2m1_code(b_hi * b_inv, _sign_bit(b_hi))
     else:
         b_amax = tl.maximum(b_amax, 0.01171875)  # 6 * 2^-9
         # div_rn everywhere a quotient is rounded: GPU fp32 `/` may be approximate.
         b_sc = _e4m3_code(tl.minimum(tl.math.div_rn(b_amax, tl.full([BLOCK_G], 6.0, tl.float32)), 448.0))
         b_s = tl.broadcast_to(_e4m3_to_f32(b_sc)[:, None], (BLOCK_G, HALF))
-        c_lo = _e2m1_code(tl.math.div_rn(b_lo, b_s), b_lo < 0)
-        c_hi = _e2m1_code(tl.math.div_rn(b_hi, b_s), b_hi < 0)
+        c_lo = _e2m1_code(tl.math.div_rn(b_lo, b_s), _sign_bit(b_lo))
+        c_hi = _e2m1_code(tl.math.div_rn(b_hi, b_s), _sign_bit(b_hi))
     if QDQ:
         b_s = _e2m1_scale_to_f32(b_sc, E8M0)[:, None]
         b_v = tl.join(_e2m1_to_f32(c_lo) * b_s, _e2m1_to_f32(c_hi) * b_s)  # re-interleave even / odd

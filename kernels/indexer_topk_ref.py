@@ -122,6 +122,16 @@ def indexer_scores_reference(q_codes, q_scale_bytes, w, index_pool, block_table,
     return scores.masked_fill(ids < 0, float("-inf")), ids
 
 
+# Tie order, from the official code: V4.1 inference/model.py, Indexer.forward (HF revision dba1be0a, about
+# line 579; V4-Flash model.py line 427 has the sorted form) selects with
+#     idxs = index_score.topk(topk, dim=-1, sorted=False).indices.sort(dim=-1).values
+# and select_candidate_blocks keeps blocks with scores.topk(min(topk_blocks, num_blocks), dim=-1), on CUDA
+# (generate.py: torch.set_default_device("cuda")). PyTorch's CUDA top-k (aten/src/ATen/native/cuda/
+# TensorTopK.cu, gatherTopK, single- and multi-block) writes every value above the k-th, then the values
+# equal to it in index order; slices >= 100,000 in <= 10 rows take a stable radix sort (TensorTopK.cpp,
+# should_use_sort). Both mean ties go to the lower index, as here. Difference: the radix order ranks +0.0
+# above -0.0, which compare equal here; a query's zero scores all share one sign, so it never decides.
+# Pinned by tests/kernels/test_official_conventions.py (the CUDA side under -m gpu).
 def select_topk_reference(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions ``[B, k]`` int64 of the min(k, #finite) best scores (ties: lower position), ascending, -1 padded; counts ``[B]``.
 

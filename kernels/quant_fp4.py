@@ -118,7 +118,7 @@ def _reference_quantize_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     # Divide by tensors, not Python scalars: CUDA torch turns `t / 6.0` into `t * (1 / 6)`.
     scales = e4m3_bytes((amax / torch.full_like(amax, 6.0)).clamp_max(E4M3_MAX))
     q = blocks / e4m3_to_float(scales).unsqueeze(-1)
-    codes = e2m1_codes(q, blocks < 0).reshape(r, d)
+    codes = e2m1_codes(q, torch.signbit(blocks)).reshape(r, d)  # -0.0 -> code 8, as the official kernel
     return pack_nibbles(codes), scales
 
 

@@ -117,7 +117,7 @@ def _reference_quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     amax = blocks.abs().amax(dim=-1).clamp_min(MXFP4_AMAX_FLOOR)
     scales = e8m0_scale_bytes(amax, 6.0)
     q = blocks / e8m0_to_float(scales).unsqueeze(-1)
-    codes = e2m1_codes(q, blocks < 0).reshape(r, d)
+    codes = e2m1_codes(q, torch.signbit(blocks)).reshape(r, d)  # -0.0 -> code 8, as the official kernel
     return pack_nibbles(codes), scales
 
 

@@ -101,8 +101,9 @@ def test_hand_derived_bytes():
     for impl in ("reference", "triton"):
         packed, scales = quantize_fp4(x, impl=impl)
         assert scales[:, 0].tolist() == [0x38, 0x38]  # amax 6: s = e4m3(1.0)
-        assert packed[0].tolist() == [0x10, 0x32, 0x54, 0x76, 0xA9, 0xCB, 0xED, 0x0F]
-        # ties to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4; -0.1 -> "negative zero"
+        assert packed[0].tolist() == [0x10, 0x32, 0x54, 0x76, 0xA9, 0xCB, 0xED, 0x8F]
+        # -0.0 -> code 8 (the sign bit, as the official kernel); ties to the even code: 0.25->0, 0.75->1,
+        # 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4; -0.25 and -0.1 round to "negative zero", code 8 too
         assert packed[1].tolist() == [0x07, 0x22, 0x44, 0x66, 0xA8, 0xCA, 0xEC, 0x8E]
 
 

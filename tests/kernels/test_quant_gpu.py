@@ -48,6 +48,7 @@ def inputs() -> dict[str, torch.Tensor]:
         "ties": (ties * torch.exp2(torch.arange(-20, 20).float())[:, None]).repeat(1, 16),
         "zeros": torch.zeros(17, 512),
         "neg": -torch.rand(17, 512, generator=g) * 1e-3,
+        "signed_zeros": torch.randn(17, 512, generator=g).masked_fill(torch.arange(512) % 3 == 0, -0.0),
         "bf16": torch.randn(300, 512, generator=g).to(torch.bfloat16),
     }
 
