@@ -66,20 +66,28 @@ def routed_experts_chosen(engine: Engine) -> dict[int, int]:
     return {k: len(v) for k, v in chosen.items()}
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def weight_bytes(model, chosen: dict[int, int]) -> int:
+    """Bytes of the weights as resident (parameters and the quantised buffers), routed experts scaled by the
+    fraction of experts the step's routing chose in each layer."""
     total = 0
     for mod in model.modules():
         if isinstance(mod, MoE):
-            per_expert = sum(p.numel() * p.element_size() for p in mod.experts[0].parameters())
-            total += per_expert * chosen.get(id(mod), len(mod.experts))
-            total += sum(p.numel() * p.element_size() for p in mod.shared_experts.parameters())
-            total += sum(p.numel() * p.element_size() for p in mod.gate.parameters())
-    for name, p in model.named_parameters():
-        if ".experts." in name or ".shared_experts." in name or ".gate." in name:
+            n = mod.gate.weight.shape[0]
+            routed = _nbytes(mod.experts.parameters()) + _nbytes(mod.experts.buffers())
+            total += routed * chosen.get(id(mod), n) // n
+            if mod.shared_experts is not None:
+                total += _nbytes(mod.shared_experts.parameters()) + _nbytes(mod.shared_experts.buffers())
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in named:
+        if ".experts." in name or ".shared_experts." in name or name == "token_map":
             continue
-        if name == "embed.weight" or name.endswith("engram.embed.weight"):
+        if name == "embed.weight" or "engram.embed" in name:
             continue  # rows gathered: negligible
-        total += p.numel() * p.element_size()
+        total += t.numel() * t.element_size()
     return total
 
 
@@ -160,6 +168,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--formats", choices=("checkpoint", "bf16"), default="checkpoint",
+                    help="weights as the checkpoint stores them (default) or every linear in bf16")
     ap.add_argument("--host-profile", action="store_true", help="print a cProfile of one decode step")
     args = ap.parse_args()
     global HOST_PROFILE
@@ -167,6 +177,12 @@ def main() -> None:
     rate = copy_rate()
     t = time.perf_counter()
     model = random_model_on_device(preset(args.preset), "cuda", dtype=torch.bfloat16, with_dspark=False)
+    if args.formats == "checkpoint":  # FP8 linears (e4m3 + 32x32 e8m0), routed experts MXFP4, shared FP8
+        from flashtier.engine.model.moe_convert import convert_experts_
+        from flashtier.engine.model.placement import quantize_linears_
+
+        quantize_linears_(model, "cuda")
+        convert_experts_(model, "cuda")
     torch.cuda.synchronize()
     made_s = time.perf_counter() - t
     print(f"model made in {made_s:.1f} s", flush=True)
@@ -175,7 +191,7 @@ def main() -> None:
         rows.append(run_batch(model, int(b), args.prompt, args.steps, rate))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "ops_ms"}), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-           "preset": args.preset, "weights": "bf16 (checkpoint-format values)", "copy_GBps": round(rate / 1e9, 1),
+           "preset": args.preset, "weights": args.formats, "copy_GBps": round(rate / 1e9, 1),
            "model_create_s": round(made_s, 1), "rows": rows}
     print(f"copy {rate / 1e9:.0f} GB/s; model made on the GPU in {made_s:.1f} s")
     print(f"{'B':>4} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>8}")
