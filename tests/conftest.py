@@ -8,7 +8,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread: the tests' tensors are small, and with 2 cores shared by server subprocesses a second
+# intra-op thread spins instead of working (measured 5-10x slower float64 tests under load).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
