@@ -8,7 +8,8 @@ from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.config import preset
-from flashtier.engine.model.init import random_model
+from flashtier.engine.model.device_loader import load_model_in_formats, place_in_formats_
+from flashtier.engine.model.init import random_model, random_model_on_device
 from flashtier.engine.model.loader import load_model
 from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.tiers import TierManager
@@ -18,8 +19,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torc
 
 
 def build_model(config: EngineConfig) -> Transformer:
-    """The checkpoint in ``config.model_dir``, else the preset with seeded random weights."""
+    """The checkpoint in ``config.model_dir``, else the preset with seeded random weights.
+
+    On CUDA (bf16 / fp32) the weights stay in their checkpoint formats (FP8 linears, MXFP4 experts) and are
+    made or streamed on the device; float64 and the CPU keep float weights (the reference path).
+    """
     dtype = _DTYPES[config.dtype]
+    device = torch.device(config.device)
+    if device.type == "cuda" and dtype != torch.float64:
+        if config.model_dir is not None:
+            return load_model_in_formats(config.model_dir, device, dtype=dtype, progress=False)
+        model = random_model_on_device(preset(config.preset), device, seed=config.weights_seed, dtype=dtype,
+                                       with_dspark=False)
+        return place_in_formats_(model, device)
     if config.model_dir is not None:
         model = load_model(config.model_dir, dtype=dtype, device=config.device, with_dspark=False, progress=False)
         if dtype == torch.float64:

@@ -227,6 +227,15 @@ class CheckpointReader:
         plans = self._validate(expected, strict)
         return self._stream(plans, dtype, torch.device(device), progress)
 
+    def load_stored(
+        self, expected: Mapping[str, Sequence[int]], *, device: str | torch.device = "cpu", progress: bool = True,
+        strict: bool = True,
+    ) -> Iterator[tuple[TensorPlan, torch.Tensor, torch.Tensor | None]]:
+        """Like ``load`` but nothing is dequantised: ``(plan, data, scale)`` with the stored bytes on ``device``
+        (what a GPU model keeps resident: FP8 codes + E8M0 scales, MXFP4 codes + scales, bf16, fp32)."""
+        plans = self._validate(expected, strict)
+        return self._stream(plans, None, torch.device(device), progress)
+
     def _validate(self, expected: Mapping[str, Sequence[int]], strict: bool) -> list[TensorPlan]:
         problems, plans, consumed = [], [], set()
         missing = [n for n in expected if n not in self.tensors]
@@ -263,8 +272,9 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.directory} does not match the model:\n  " + "\n  ".join(problems))
         return plans
 
-    def _stream(self, plans: list[TensorPlan], dtype: torch.dtype, device: torch.device,
+    def _stream(self, plans: list[TensorPlan], dtype: torch.dtype | None, device: torch.device,
                 progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantised ``(name, tensor)`` in ``dtype``, or with ``dtype=None`` the stored ``(plan, data, scale)``."""
         plans = sorted(plans, key=lambda p: (p.data.shard, p.data.offset))
         with ExitStack() as stack, tqdm(total=len(plans), desc="Loading checkpoint", unit="tensor",
                                         disable=not progress) as bar:
@@ -278,5 +288,8 @@ class CheckpointReader:
 
             for plan in plans:
                 scale = read(plan.scale) if plan.scale is not None else None
-                yield plan.name, dequantize(plan.fmt, read(plan.data), scale, dtype)
+                if dtype is None:
+                    yield plan, read(plan.data), scale
+                else:
+                    yield plan.name, dequantize(plan.fmt, read(plan.data), scale, dtype)
                 bar.update(1)

@@ -9,7 +9,7 @@ without YaRN. No attention-scale (mscale) correction is applied.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,9 +45,17 @@ class Rope:
 
     freqs: torch.Tensor  # [rope_dim/2] fp32
     rope_dim: int
+    # the table per (device, dtype), copied once: a pageable host->GPU copy per call would sync the stream
+    _cached: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def _freqs(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (device, dtype)
+        if key not in self._cached:
+            self._cached[key] = self.freqs.to(device=device, dtype=dtype)
+        return self._cached[key]
 
     def cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        ang = pos.to(dtype)[..., None] * self.freqs.to(device=pos.device, dtype=dtype)
+        ang = pos.to(dtype)[..., None] * self._freqs(pos.device, dtype)
         return torch.cos(ang), torch.sin(ang)
 
     def apply(self, x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""A model on the GPU with its weights as the checkpoint stores them: no float copy of what is quantised.
+
+    load_model_in_formats(dir, "cuda")     checkpoint shards streamed to the device tensor by tensor
+    place_in_formats_(model, "cuda")       a float model (random weights made on the device) converted
+
+FP8 linears become ``Fp8Linear`` (e4m3 codes + e8m0 32x32 scales), each MoE's routed experts (MXFP4) and shared
+expert (FP8) one ``ExpertWeights``; everything else (bf16 / fp32 tensors, the Engram table) is dequantised into
+the parameter's dtype. Peak extra memory while loading: one MoE layer's stored expert bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flashtier.engine.model.checkpoint_reader import CheckpointReader, StorageFormat, dequantize
+from flashtier.engine.model.config import from_hf_dict
+from flashtier.engine.model.engram import default_token_map
+from flashtier.engine.model.expert_weights import ExpertWeights
+from flashtier.engine.model.fp8_linear import Fp8Linear
+from flashtier.engine.model.moe import MoE
+from flashtier.engine.model.moe_convert import convert_experts_
+from flashtier.engine.model.placement import quantize_linears_
+from flashtier.engine.model.transformer import Transformer, weight_formats
+from flashtier.kernels.fp8_weight import as_e4m3fn, as_e8m0
+
+_EXPERT = re.compile(r"^(?P<moe>.+\.ffn)\.(?:experts\.(?P<e>\d+)|shared_experts)\.(?P<w>w[123])\.weight$")
+
+
+def place_in_formats_(model: Transformer, device: torch.device | str) -> Transformer:
+    """Convert a float model in place: FP8 linears and the experts into their stored formats on ``device``,
+    then the rest moved there. Returns ``model``."""
+    convert_experts_(model, device)
+    quantize_linears_(model, device)
+    return model.to(device)
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, nn.Parameter(value, requires_grad=False))
+
+
+def _experts(moe: MoE, parts: dict[tuple[str, int], tuple], device) -> ExpertWeights:
+    n = moe.gate.weight.shape[0]
+    routed = {w: [parts[(w, e)] for e in range(n)] for w in ("w1", "w2", "w3")}
+    shared = (parts[("w1", -1)], parts[("w3", -1)], parts[("w2", -1)])
+    return ExpertWeights.from_packed(routed["w1"], routed["w3"], routed["w2"], shared, device)
+
+
+@torch.no_grad()
+def load_model_in_formats(
+    model_dir: str | Path, device: str | torch.device, *, dtype: torch.dtype = torch.bfloat16,
+    with_dspark: bool = False, progress: bool = True,
+) -> Transformer:
+    """Stream ``model_dir`` (official layout) onto ``device`` in the stored formats.
+
+    Raises CheckpointError (a ValueError) before reading anything when a tensor is missing or mis-shaped.
+    """
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{model_dir} has no config.json: not a model directory")
+    cfg = from_hf_dict(json.loads(cfg_path.read_text()), name=str(model_dir))
+    with torch.device("meta"):
+        model = Transformer(cfg, dtype=dtype, with_dspark=with_dspark)
+    formats = weight_formats(model)
+    params = dict(model.named_parameters())
+    expected = {k: tuple(v.shape) for k, v in params.items()}
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+    pending: dict[str, dict[tuple[str, int], tuple]] = defaultdict(dict)
+    reader = CheckpointReader(model_dir)
+    for plan, data, scale in reader.load_stored(expected, device=device, progress=progress, strict=with_dspark):
+        hit = _EXPERT.match(plan.name)
+        if hit:
+            moe_name = hit["moe"]
+            parts = pending[moe_name]
+            parts[(hit["w"], int(hit["e"]) if hit["e"] is not None else -1)] = (data, scale)
+            moe = moes[moe_name]
+            if len(parts) == 3 * moe.gate.weight.shape[0] + 3:
+                moe.experts, moe.shared_experts = _experts(moe, parts, device), None
+                del pending[moe_name]
+            continue
+        if plan.fmt is StorageFormat.FP8 and formats[plan.name] == "fp8":
+            owner, _, attr = plan.name.removesuffix(".weight").rpartition(".")
+            setattr(model.get_submodule(owner), attr,
+                    Fp8Linear(as_e4m3fn(data), as_e8m0(scale), compute_dtype=params[plan.name].dtype))
+            continue
+        _set_param(model, plan.name, dequantize(plan.fmt, data, scale, params[plan.name].dtype))
+    model.token_map = default_token_map(cfg).to(device)
+    left = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
+    if left or pending:
+        raise ValueError(f"{model_dir}: the checkpoint left {len(left)} tensors unset (e.g. {left[:3]}) and "
+                         f"{len(pending)} MoE layers incomplete")
+    return model.eval()
