@@ -1,6 +1,7 @@
 """The ``flashtier`` command line: inspect (roles + KV accounting) and generate."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,8 +11,9 @@ from flashtier.server.cli import main
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
+    # one torch thread: on 2 shared cores a second intra-op thread spins (70 s instead of 20 s per run)
     return subprocess.run([sys.executable, "-m", "flashtier.server.cli", *args], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_inspect_real_geometry_json():
