@@ -134,7 +134,7 @@ def test_cuda_converted_linears_match_their_float_twins(tiny32):
         x = torch.randn(17, ref.in_features, generator=g)
         w_abs = ref.weight.abs()
         if name.endswith("wo_a"):  # not quantised; fp32 activations go in as bf16 high + low parts
-            x = x.view(17, groups, -1)
+            x = torch.randn(17, groups, ref.in_features, generator=g)  # o [T, G, K/G]: in_features is K/G
             got, want = grouped_linear(x.cuda(), fp8, groups).cpu(), grouped_linear(x, ref, groups)
             bound = torch.einsum("tgd,grd->tgr", x.abs(), w_abs.view(groups, -1, x.shape[-1]))
         else:
