@@ -25,6 +25,11 @@ class EngineConfig:
     # "batched": every op over all rows of a step (ring arena + kernels); "per-sequence": attention per sequence
     # (the plain-torch path); "auto": batched on CUDA, per-sequence on the CPU
     forward: str = "auto"
+    # speculative decoding with the model's DSpark drafter: at most this many drafts verified per step and
+    # sequence (0 = off; at most the drafter's block size, 5); a draft is verified only while the confidence
+    # head's estimate that all drafts up to it are accepted stays >= speculative_min_confidence
+    speculative_tokens: int = 0
+    speculative_min_confidence: float = 0.1
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float64"):
@@ -38,6 +43,11 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("EngineConfig.max_model_len must be >= 2")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"EngineConfig.speculative_tokens must be >= 0, got {self.speculative_tokens}")
+        if not 0.0 <= self.speculative_min_confidence < 1.0:
+            raise ValueError("EngineConfig.speculative_min_confidence must be in [0, 1), got "
+                             f"{self.speculative_min_confidence}")
 
     def batched_on(self, device_type: str) -> bool:
         """Whether the engine runs the batched forward on a device of this type."""

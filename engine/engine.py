@@ -3,6 +3,7 @@
     step():  SchedulerOutput = scheduler.schedule()        what runs: chunks, replays, decodes
              ModelRunnerOutput = runner.execute(...)        the forward; logits per decoder row
              requests = postprocessor.process(...)          blocks, snapshots, forks, sampling
+             drafter.after_step(...)                        speculative only: DSpark drafts for the next step
              -> one RequestOutput per request touched (+ the aborted ones)
 
 Single-threaded and unit-testable: ``AsyncEngine`` runs ``step()`` on its own thread. Text never
@@ -18,7 +19,7 @@ import torch
 
 from flashtier.engine.client import QueueFullError
 from flashtier.engine.config import EngineConfig
-from flashtier.engine.engine_stats import tier_stats
+from flashtier.engine.engine_stats import spec_fields, tier_stats
 from flashtier.engine.kv_manager import KVManager, SequenceSpec
 from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.output_builder import build_output
@@ -30,6 +31,11 @@ from flashtier.engine.runner import ModelRunner
 from flashtier.engine.sampler import Sampler
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.engine.scheduler import Scheduler
+from flashtier.engine.spec_drafter import Drafter
+from flashtier.engine.spec_schedule import SpecPolicy
+from flashtier.engine.spec_state import check_spec_integrity
+from flashtier.engine.spec_stats import SpecStats
+from flashtier.engine.spec_verify import SpecVerifier
 from flashtier.engine.tier_client import TierClient
 from flashtier.engine.tiers import TierManager
 from flashtier.kvstore.block_hash import namespace_hash
@@ -80,14 +86,26 @@ class Engine:
             f"{self.config.dtype}|seed{self.config.weights_seed}|{self.config.model_dir}{policy}",
         )
         allow_replay = self.config.resume_policy == "replay"
+        depth = self.config.speculative_tokens
+        if depth > cfg.dspark_block_size:
+            raise ValueError(f"EngineConfig.speculative_tokens must be <= the drafter's block size "
+                             f"{cfg.dspark_block_size}, got {depth}")
+        self.drafter = Drafter(model, depth) if depth else None
+        self.spec_stats = SpecStats(depth) if depth else None
         self.scheduler = Scheduler(
             self.kvm, max_num_seqs=self.config.max_num_seqs, token_budget=self.config.max_num_batched_tokens,
             tiers=TierClient(tiers, self.kvm, allow_replay=allow_replay) if tiers is not None else None,
             allow_replay=allow_replay,
+            speculative=SpecPolicy(depth, self.config.speculative_min_confidence, self.max_model_len,
+                                   cfg.sliding_window) if depth else None,
         )
-        self.runner = ModelRunner(model, PagedRunner(model, self.kvm) if batched else None)
-        self.postprocessor = Postprocessor(self.scheduler, Sampler(eos_token_id=cfg.eos_token_id),
-                                           eos_token_id=cfg.eos_token_id, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(model, PagedRunner(model, self.kvm) if batched else None,
+                                  taps=cfg.dspark_target_layer_ids if depth else ())
+        self.postprocessor = Postprocessor(
+            self.scheduler, Sampler(eos_token_id=cfg.eos_token_id), eos_token_id=cfg.eos_token_id,
+            max_model_len=self.max_model_len,
+            verifier=SpecVerifier(self.kvm, self.spec_stats, cfg.eos_token_id) if depth else None,
+        )
         self._aborted: list[Request] = []
         self.prompt_tokens = 0
 
@@ -142,6 +160,8 @@ class Engine:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         touched = self.postprocessor.process(sched, result)
+        if self.drafter is not None:
+            self.drafter.after_step(sched, result)
         outputs = [build_output(r) for r in touched + self._aborted]
         self._aborted.clear()
         return outputs
@@ -161,6 +181,7 @@ class Engine:
             generation_tokens=self.postprocessor.generation_tokens,
             global_kv_bytes_per_token=self.layout.bytes_per_token(),
             tiers=tier_stats(self.tiers),
+            **spec_fields(self.spec_stats),
         )
 
     def close(self) -> None:
@@ -169,5 +190,8 @@ class Engine:
             self.tiers.close()
 
     def check_integrity(self) -> None:
-        """The scheduler's and the pool's invariants (RuntimeError); tests call it after every step."""
+        """The scheduler's and the pool's invariants, and the speculative sequences' (RuntimeError); tests call
+        it after every step."""
         self.scheduler.check_integrity()
+        if self.drafter is not None:
+            check_spec_integrity(self.scheduler.running, self.pool, self.layout.block_size)

@@ -1,4 +1,5 @@
-"""The tier counters and gauges as one flat mapping for ``EngineStats.tiers`` (the server's /metrics).
+"""The tier counters and gauges as one flat mapping for ``EngineStats.tiers`` (the server's /metrics), and
+the speculative-decoding fields of ``EngineStats`` (``spec_fields``, from engine/spec_stats.py).
 
 A key is a metric name without the ``flashtier_`` prefix; a labelled sample is spelled
 ``name{label=value}`` (``tier_key``, parsed back by ``split_tier_key``), and server/metrics.py exports
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import re
 
+from flashtier.engine.spec_stats import SpecStats
 from flashtier.engine.tiers import TierManager
 from flashtier.kvstore.ssd_health import WRITE_CAUSES
 
@@ -85,3 +87,11 @@ def tier_stats(tiers: TierManager | None) -> dict[str, float]:
         out["snapshot_redis_calls"] = ps.redis_calls
         out["snapshot_redis_call_s"] = ps.redis_call_s
     return out
+
+
+def spec_fields(stats: SpecStats | None) -> dict[str, object]:
+    """The speculative-decoding fields of ``EngineStats`` (none when speculation is off)."""
+    if stats is None:
+        return {}
+    return {"spec_drafts": stats.drafts, "spec_draft_tokens": stats.draft_tokens,
+            "spec_accepted_tokens": stats.accepted_tokens, "spec_acceptance_lengths": tuple(stats.acceptance)}

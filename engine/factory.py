@@ -26,18 +26,19 @@ def build_model(config: EngineConfig) -> Transformer:
     """
     dtype = _DTYPES[config.dtype]
     device = torch.device(config.device)
+    dspark = config.speculative_tokens > 0  # the drafter stages are only built when speculation is on
     if device.type == "cuda" and dtype != torch.float64:
         if config.model_dir is not None:
-            return load_model_in_formats(config.model_dir, device, dtype=dtype, progress=False)
+            return load_model_in_formats(config.model_dir, device, dtype=dtype, with_dspark=dspark, progress=False)
         model = random_model_on_device(preset(config.preset), device, seed=config.weights_seed, dtype=dtype,
-                                       with_dspark=False)
+                                       with_dspark=dspark)
         return place_in_formats_(model, device)
     if config.model_dir is not None:
-        model = load_model(config.model_dir, dtype=dtype, device=config.device, with_dspark=False, progress=False)
+        model = load_model(config.model_dir, dtype=dtype, device=config.device, with_dspark=dspark, progress=False)
         if dtype == torch.float64:
             model = model.double()
         return model
-    return random_model(preset(config.preset), seed=config.weights_seed, dtype=dtype, with_dspark=False).to(
+    return random_model(preset(config.preset), seed=config.weights_seed, dtype=dtype, with_dspark=dspark).to(
         config.device
     )
 

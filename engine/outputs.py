@@ -86,3 +86,9 @@ class EngineStats:
     generation_tokens: int = 0
     global_kv_bytes_per_token: float = 0.0
     tiers: dict[str, float] = field(default_factory=dict)  # tier counters/gauges, flat (see TierManager)
+    # speculative decoding (engine/spec_stats.py): VERIFY works with drafts, drafts verified, drafts accepted,
+    # and per accepted count k = 0 .. depth the works that accepted k (empty when speculation is off)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_lengths: tuple[int, ...] = ()

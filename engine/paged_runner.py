@@ -2,7 +2,7 @@
 
     encoder part: RowSpan per EncoderWork (positions [len(tokens), + chunk), window from enc_start)
     decoder part: RowSpan per DecoderWork (REPLAY: [replay start, n) from the replay tail; DECODE: n - 1,
-                  fed straight from this step's encoder row)
+                  VERIFY: its chunk [n - rows, n), fed straight from this step's encoder rows)
 
 Mutates what ``ModelRunner`` mutates (tokens, rings, pool entries, partial groups, replay tails). Every
 sequence of the step must hold a ring-arena slot (``can_run``); the engine falls back to the
@@ -19,6 +19,7 @@ from flashtier.engine.model.batch_forward import push_tail
 from flashtier.engine.model.paged_forward import decode_rows, encode_rows
 from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.scheduler_output import DecoderKind, SchedulerOutput
+from flashtier.engine.spec_rows import DecoderRowPlan, plan_rows
 from flashtier.engine.step_metadata import RowSpan, build_step_rows
 
 
@@ -45,8 +46,10 @@ class PagedRunner:
         return all(w.seq.kv.rings.slot is not None for w in works)
 
     @torch.no_grad()
-    def execute(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """Logits [len(batch.decoder), V] (None without decoder work)."""
+    def execute(self, batch: SchedulerOutput, taps: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, DecoderRowPlan | None]:
+        """(logits, draft inputs of the decoder rows, the row plan; spec_rows.py), Nones without decoder work.
+        ``taps``: the layers whose block inputs are captured (a speculative engine)."""
         dev = self.model.device
         enc_x = enc_pre = None
         enc_last: dict[int, int] = {}  # id(kv) -> row of its newest encoder output in this step
@@ -68,7 +71,7 @@ class PagedRunner:
                 enc_last[id(s.kv)] = at + n - 1
                 at += n
         if not batch.decoder:
-            return None
+            return None, None, None
         spans, xs, pres = [], [], []
         for w in batch.decoder:
             kv = w.seq.kv
@@ -78,10 +81,14 @@ class PagedRunner:
                 xs.append(kv.tail_x[-(n - d) :])
                 pres.append(kv.tail_pre[-(n - d) :])
             else:
-                d = n - 1
-                r = enc_last[id(kv)]
-                xs.append(enc_x[r : r + 1])
-                pres.append(enc_pre[r : r + 1])
+                d = n - w.rows
+                r = enc_last[id(kv)] + 1
+                xs.append(enc_x[r - w.rows : r])
+                pres.append(enc_pre[r - w.rows : r])
             spans.append(RowSpan(kv, d, n, kv.dec_start))
         rows = build_step_rows(spans, self.window, self.ngram, dev)
-        return decode_rows(self.model, rows, self.views, torch.cat(xs), torch.cat(pres))
+        plan = plan_rows(batch.decoder, [s.end - s.start for s in spans], taps, dev)
+        capture = plan.capture()
+        logits = decode_rows(self.model, rows, self.views, torch.cat(xs), torch.cat(pres), capture=capture,
+                             logit_rows=plan.logit_rows)
+        return logits, plan.hidden(capture), plan

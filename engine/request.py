@@ -23,6 +23,7 @@ from flashtier.kvstore.block_hash import BlockHash
 
 if TYPE_CHECKING:
     from flashtier.engine.preemption import SwappedState
+    from flashtier.engine.spec_state import SpecState
     from flashtier.engine.tiers import TierLookup
 
 
@@ -67,6 +68,7 @@ class Sequence:
     fork_block: int | None = None  # hashes[fork_block:] are on the replayed fork (block_hash.fork_root)
     swapped: SwappedState | None = None  # preemption: private state + block images on the host
     grammar: GrammarState | None = None  # structured output: where this choice is in its grammar
+    spec: SpecState | None = None  # speculative decoding: drafter rings and drafts (None: plain decoding)
 
     @property
     def finished(self) -> bool:

@@ -6,7 +6,9 @@ it never calls the engine. Every status change goes through ``request_state.tran
 Budget: every encoder token and every replay token counts; decode sequences come first (they are
 latency-bound), then running prefills and replays, then admissions from the queue (preempted
 requests first: they sit at its front). A decode that cannot get a block preempts the newest running
-request (swap to the host, ``preemption.py``); with no victim left it preempts itself.
+request (swap to the host, ``preemption.py``); with no victim left it preempts itself. With speculative
+decoding a decoding sequence feeds a VERIFY chunk (``SpecPolicy.feed``: known tokens + drafts); short of
+blocks it verifies no draft before it preempts anyone.
 
 A prefix hit admits a request with encoder bounded replay (plan (c) of the oracle)::
 
@@ -35,6 +37,7 @@ from flashtier.engine.request import FinishReason, Request, Sequence
 from flashtier.engine.request_state import RUNNING, RequestStatus, transition
 from flashtier.engine.resume import ResumeKind, install_resume, plan_resume
 from flashtier.engine.scheduler_output import DecoderKind, DecoderWork, EncoderWork, SchedulerOutput
+from flashtier.engine.spec_schedule import SpecPolicy
 from flashtier.engine.tier_client import TierClient
 from flashtier.kvstore.block_hash import fork_chain, hash_blocks
 
@@ -52,10 +55,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kvm: KVManager, *, max_num_seqs: int, token_budget: int, tiers: TierClient | None = None,
-                 allow_replay: bool = True):
+                 allow_replay: bool = True, speculative: SpecPolicy | None = None):
         """``allow_replay`` False (resume policy exact-or-cold): a cached prefix without an exact
-        snapshot is recomputed rather than resumed by an approximate bounded replay."""
+        snapshot is recomputed rather than resumed by an approximate bounded replay. ``speculative``:
+        decoding sequences with drafter state verify their drafts (VERIFY work)."""
         self.kvm = kvm
+        self.speculative = speculative
         self.tiers = tiers
         self.allow_replay = allow_replay
         self.window = kvm.spec.window
@@ -282,16 +287,25 @@ class Scheduler:
 
     def _schedule_decode(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         for seq in req.live_seqs:
-            if budget < 1:
+            feed, n_drafts = ([seq.output[-1]], 0) if self.speculative is None else self.speculative.feed(
+                req, seq, budget)
+            if budget < len(feed):
                 break
-            while not self.kvm.ensure_blocks(seq.kv, len(seq.kv.tokens) + 1):
+            while not self.kvm.ensure_blocks(seq.kv, len(seq.kv.tokens) + len(feed)):
+                if n_drafts:  # speculation never preempts: verify no draft first
+                    feed, n_drafts = feed[: len(feed) - n_drafts], 0
+                    continue
                 victim = self._pick_victim(exclude=req)
                 if victim is None:  # no victim left: preempt this request itself
                     return budget + self._preempt(req, out)
                 budget += self._preempt(victim, out)
-            out.encoder.append(EncoderWork(req, seq, [seq.output[-1]]))
-            out.decoder.append(DecoderWork(req, seq, DecoderKind.DECODE))
-            budget -= 1
+            out.encoder.append(EncoderWork(req, seq, feed))
+            if seq.spec is None:
+                out.decoder.append(DecoderWork(req, seq, DecoderKind.DECODE))
+            else:
+                out.decoder.append(DecoderWork(req, seq, DecoderKind.VERIFY, tuple(feed[len(feed) - n_drafts :]),
+                                               len(feed)))
+            budget -= len(feed)
         return budget
 
     def _schedule_prompt(self, req: Request, budget: int, out: SchedulerOutput) -> int:

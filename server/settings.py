@@ -83,6 +83,8 @@ class ServerSettings:
     device: str | None = None
     dtype: str = "auto"
     weights_seed: int = 0
+    speculative: int = 0  # drafts verified per step (0: off), --speculative / --speculative-config
+    speculative_min_confidence: float = 0.1
     response_store_ttl_s: float = 24 * 3600.0  # --response-store-ttl (server/response_store.py)
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     cache_dir: str = field(default_factory=default_cache_dir)
@@ -147,6 +149,8 @@ class ServerSettings:
             max_model_len=self.max_model_len,
             max_waiting=self.max_waiting_requests,
             resume_policy=self.resume_policy,
+            speculative_tokens=self.speculative,
+            speculative_min_confidence=self.speculative_min_confidence,
         )
 
 

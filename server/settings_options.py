@@ -7,6 +7,7 @@ what is wrong and what is accepted (argparse prefixes the flag, settings.py the 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ __all__ = ["CACHE_ISOLATION_MODES", "ENV_PREFIX", "OPTIONS", "Option", "default_
 
 ENV_PREFIX = "FLASHTIER_"
 CACHE_ISOLATION_MODES = ("shared", "per-key")
+# the drafter is the model's own DSpark stages; vLLM names DeepSeek's MTP drafters mtp / deepseek_mtp
+SPECULATIVE_METHODS = ("dspark", "mtp", "deepseek_mtp")
+SPECULATIVE_MAX_TOKENS = 5  # V4.1's dspark_block_size (the engine checks the loaded model's)
 
 
 def _parse_bool(text: str) -> bool:
@@ -126,6 +130,44 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 <
                "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
                "tib": 1 << 40}
 _TIME_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _speculative(text: str) -> int:
+    """Drafts verified per step: N, on (the most), off / 0, or vLLM's JSON
+    ``{"method": "dspark", "num_speculative_tokens": N}``."""
+    value = text.strip()
+    if value.startswith("{"):
+        try:
+            cfg = json.loads(value)
+        except ValueError:
+            raise ValueError(f"expected a JSON object, got {text!r}") from None
+        unknown = sorted(set(cfg) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"unsupported key(s) {unknown}; only method and num_speculative_tokens are read")
+        method = cfg.get("method", "dspark")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method {method!r} is not supported: the drafter is the model's DSpark stages "
+                             f"({' | '.join(SPECULATIVE_METHODS)})")
+        n = cfg.get("num_speculative_tokens")
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(f"num_speculative_tokens must be an integer, got {n!r}")
+    elif value.lower() in ("off", "false", "no"):
+        n = 0
+    elif value.lower() in ("on", "true", "yes"):
+        n = SPECULATIVE_MAX_TOKENS
+    else:
+        n = _int(value)
+    if not 0 <= n <= SPECULATIVE_MAX_TOKENS:
+        raise ValueError(f"the number of speculative tokens must be in [0, {SPECULATIVE_MAX_TOKENS}] (the DSpark "
+                         f"block size), got {n}")
+    return n
+
+
+def _confidence(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise ValueError(f"must be in [0, 1), got {text!r}")
+    return value
 
 
 def _split_unit(text: str) -> tuple[float, str]:
@@ -272,6 +314,12 @@ OPTIONS: tuple[Option, ...] = (
            "effect: flashtier runs no code from the checkpoint", kind="bool"),
     Option("weights_seed", "--weights-seed", _int, 0, "seed of the demo preset's random weights",
            hidden=True),
+    Option("speculative", "--speculative", _speculative, 0, "speculative decoding with the model's DSpark "
+           "drafter: N (1-5) drafts verified per step at most, on (5) or off (the default); vLLM's "
+           "--speculative-config '{\"method\": \"dspark\", \"num_speculative_tokens\": N}' sets the same",
+           aliases=("--speculative-config",)),
+    Option("speculative_min_confidence", "--speculative-min-confidence", _confidence, 0.1, "verify a draft only "
+           "while the drafter's confidence that it and every draft before it are accepted stays >= this"),
     # -- kvstore
     Option("block_size", "--block-size", _block_size, 64, "tokens per KV block (a multiple of 8)"),
     Option("num_blocks", "--num-blocks", _num_blocks, None, "HBM pool size in blocks (overrides "

@@ -62,6 +62,7 @@ def _run_layers(
     positions: Sequence[torch.Tensor],
     ngrams: torch.Tensor,
     encoder: bool,
+    capture: dict[int, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = model.cfg
     segs = _segments([p.numel() for p in positions])
@@ -72,6 +73,8 @@ def _run_layers(
         attn = block.attn
         if block.engram is not None:
             x = block.engram(x, ngrams)
+        if capture is not None and layer in capture:  # DSpark's draft input: the block input, stream mean
+            capture[layer] = x.mean(dim=1)
         h, amix = block.attn_input(x, pre)
         q, qr = attn.project_q(h, pos_all)
         kv_raw = attn.project_kv_raw(h, pos_all)
@@ -154,16 +157,23 @@ def decode_batch(
     xs: Sequence[torch.Tensor],
     pres: Sequence[torch.Tensor],
     positions: Sequence[torch.Tensor],
+    *,
+    capture: dict[int, torch.Tensor | None] | None = None,
+    logit_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run encoder outputs through the decoder; logits [B, V] of each sequence's LAST row.
+    """Run encoder outputs through the decoder; logits [B, V] of each sequence's LAST row (or of the rows
+    ``logit_rows`` of the concatenation, when given).
 
+    ``capture``: layer -> None entries are filled with that layer's block input, mean over the streams [T, D].
     Mutates the decoder rings of every state (and the top-k/pool slots of this step only).
     """
     cfg = model.cfg
     x, pre = torch.cat(list(xs)), torch.cat(list(pres))
     grams = torch.cat([_grams(model, s, p) for s, p in zip(states, positions)])
     x, pre = _run_layers(
-        model, range(cfg.n_encoder_layers, cfg.num_hidden_layers), states, x, pre, positions, grams, False
+        model, range(cfg.n_encoder_layers, cfg.num_hidden_layers), states, x, pre, positions, grams, False, capture
     )
-    last = torch.tensor([s.stop - 1 for s in _segments([p.numel() for p in positions])], device=x.device)
+    last = logit_rows
+    if last is None:
+        last = torch.tensor([s.stop - 1 for s in _segments([p.numel() for p in positions])], device=x.device)
     return model.logits(x[last], pre[last])

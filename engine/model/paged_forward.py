@@ -39,10 +39,11 @@ def _install_partials(states: Sequence[SequenceKV], rows: StepRows, slots: RowSl
 
 def run_layers(
     model: Transformer, layers: range, rows: StepRows, views: PagedViews, x: torch.Tensor, pre: torch.Tensor,
-    *, encoder: bool,
+    *, encoder: bool, capture: dict[int, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, RowSlots]:
     """Layers ``layers`` over every row: (x, pre) [T, hc, D], [T, hc] -> their outputs. Mutates the rings and
-    (encoder) the pool's entries; returns the part's selections and opened groups too."""
+    (encoder) the pool's entries; returns the part's selections and opened groups too. ``capture``: as in
+    ``batch_forward.decode_batch``."""
     grams = ngram_classes(model, rows)
     pos = rows.positions
     slots = RowSlots()
@@ -51,6 +52,8 @@ def run_layers(
         attn = block.attn
         if block.engram is not None:
             x = block.engram(x, grams)
+        if capture is not None and layer in capture:  # DSpark's draft input: the block input, stream mean
+            capture[layer] = x.mean(dim=1)
         h, amix = block.attn_input(x, pre)
         q, qr = attn.project_q(h, pos)
         kv_raw = attn.project_kv_raw(h, pos)
@@ -87,13 +90,16 @@ def encode_rows(
 
 @torch.no_grad()
 def decode_rows(
-    model: Transformer, rows: StepRows, views: PagedViews, x: torch.Tensor, pre: torch.Tensor
+    model: Transformer, rows: StepRows, views: PagedViews, x: torch.Tensor, pre: torch.Tensor, *,
+    capture: dict[int, torch.Tensor | None] | None = None, logit_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The decoder over the part's rows (encoder outputs x, pre); logits [B, V] of each sequence's last row.
+    """The decoder over the part's rows (encoder outputs x, pre); logits [B, V] of each sequence's last row
+    (or of ``logit_rows``, when given). ``capture``: as in ``batch_forward.decode_batch``.
 
     Mutates the decoder rings."""
     cfg = model.cfg
     x, pre, _ = run_layers(model, range(cfg.n_encoder_layers, cfg.num_hidden_layers), rows, views, x, pre,
-                           encoder=False)
-    return model.logits(x[rows.last_rows], pre[rows.last_rows])
+                           encoder=False, capture=capture)
+    sel = rows.last_rows if logit_rows is None else logit_rows
+    return model.logits(x[sel], pre[sel])
 
