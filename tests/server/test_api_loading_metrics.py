@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 
 from ..kvstore.redis_server import RedisServer
@@ -18,7 +19,13 @@ from .test_api_tiers import Server, _chunk
 
 
 def _gauges(srv: Server) -> tuple[float, float]:
-    return srv.metric("flashtier_num_requests_loading"), srv.metric("flashtier_num_requests_running")
+    """Both gauges from ONE scrape: two scrapes can straddle the LOADING -> RUNNING transition and read (1, 1)."""
+    values = {"flashtier_num_requests_loading": 0.0, "flashtier_num_requests_running": 0.0}
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values["flashtier_num_requests_loading"], values["flashtier_num_requests_running"]
 
 
 @pytest.mark.slow
