@@ -10,7 +10,6 @@ the parameter's dtype. Peak extra memory while loading: one MoE layer's stored e
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -19,10 +18,10 @@ import torch
 from torch import nn
 
 from flashtier.engine.model.checkpoint_reader import CheckpointReader, StorageFormat, dequantize
-from flashtier.engine.model.config import from_hf_dict
 from flashtier.engine.model.engram import default_token_map
 from flashtier.engine.model.expert_weights import ExpertWeights
 from flashtier.engine.model.fp8_linear import Fp8Linear
+from flashtier.engine.model.loader import meta_model
 from flashtier.engine.model.moe import MoE
 from flashtier.engine.model.moe_convert import convert_experts_
 from flashtier.engine.model.placement import quantize_linears_
@@ -62,12 +61,8 @@ def load_model_in_formats(
     Raises CheckpointError (a ValueError) before reading anything when a tensor is missing or mis-shaped.
     """
     model_dir = Path(model_dir)
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"{model_dir} has no config.json: not a model directory")
-    cfg = from_hf_dict(json.loads(cfg_path.read_text()), name=str(model_dir))
-    with torch.device("meta"):
-        model = Transformer(cfg, dtype=dtype, with_dspark=with_dspark)
+    model = meta_model(model_dir, dtype, with_dspark)
+    cfg = model.cfg
     formats = weight_formats(model)
     params = dict(model.named_parameters())
     expected = {k: tuple(v.shape) for k, v in params.items()}

@@ -27,6 +27,16 @@ def save_model(model: Transformer, directory: str | Path, *, max_shard_bytes: in
     return Path(directory)
 
 
+def meta_model(model_dir: Path, dtype: torch.dtype, with_dspark: bool) -> Transformer:
+    """The model ``model_dir/config.json`` describes, on the meta device (no storage yet)."""
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{model_dir} has no config.json: not a model directory")
+    cfg = from_hf_dict(json.loads(cfg_path.read_text()), name=str(model_dir))
+    with torch.device("meta"):
+        return Transformer(cfg, dtype=dtype, with_dspark=with_dspark)
+
+
 @torch.no_grad()
 def load_model(
     model_dir: str | Path,
@@ -41,12 +51,8 @@ def load_model(
     Raises CheckpointError (a ValueError) naming any missing or mis-shaped tensor.
     """
     model_dir = Path(model_dir)
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"{model_dir} has no config.json: not a model directory")
-    cfg = from_hf_dict(json.loads(cfg_path.read_text()), name=str(model_dir))
-    with torch.device("meta"):
-        model = Transformer(cfg, dtype=dtype, with_dspark=with_dspark)
+    model = meta_model(model_dir, dtype, with_dspark)
+    cfg = model.cfg
     model = model.to_empty(device=device)
     model.token_map = default_token_map(cfg).to(device)  # the meta buffer has no values
     params = dict(model.named_parameters())
