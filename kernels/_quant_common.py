@@ -152,3 +152,17 @@ def triton_dequantize_rows(
     bf16 = dtype == torch.bfloat16
     _launch_row_blocks(kernel, r * (d // block), block, data, scales, out, OUT_BF16=bf16, **constexprs)
     return out
+
+
+def resolve_on_device(op: str, x: torch.Tensor, named: dict, impl: str) -> str:
+    """Check every tensor in ``named`` is on ``x``'s device, then ``resolve_impl``; float64 ``x`` always runs the
+    reference (the Triton paths take fp32 / bf16). ValueError naming the offending argument."""
+    for name, t in named.items():
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, x on {x.device}: all inputs must be on one device")
+    impl = resolve_impl(impl, x, op)
+    if x.dtype == torch.float64:
+        if impl == "triton":
+            raise ValueError(f"{op}: the Triton path takes fp32 or bf16 x; float64 runs with impl='reference'")
+        impl = "reference"
+    return impl

@@ -35,7 +35,7 @@ import triton
 
 from flashtier.kernels._moe_combine_triton import moe_combine_triton
 from flashtier.kernels._moe_grouped_gemm_triton import DEFAULT_CONFIG, MoEGemmConfig, launch_moe_gemm
-from flashtier.kernels._quant_common import resolve_impl
+from flashtier.kernels._quant_common import resolve_on_device
 from flashtier.kernels.moe_align import moe_align
 from flashtier.kernels.moe_grouped_gemm_ref import moe_grouped_ffn_reference
 from flashtier.kernels.moe_weights import FP8Expert, MXFP4Experts, check_fp8_expert, check_mxfp4_experts
@@ -68,15 +68,7 @@ def _validate(x, idx, route_w, experts, shared, limit, impl) -> str:
     tensors = {"idx": idx, "route_w": route_w, **{f"experts.{k}": v for k, v in experts._asdict().items()}}
     if shared is not None:
         tensors.update({f"shared.{k}": v for k, v in shared._asdict().items()})
-    for name, t in tensors.items():
-        if t.device != x.device:
-            raise ValueError(f"{_OP}: {name} is on {t.device}, x on {x.device}: all inputs must be on one device")
-    impl = resolve_impl(impl, x, _OP)
-    if x.dtype == torch.float64:
-        if impl == "triton":
-            raise ValueError(f"{_OP}: the Triton path takes fp32 or bf16 x; float64 runs with impl='reference'")
-        impl = "reference"
-    return impl
+    return resolve_on_device(_OP, x, tensors, impl)
 
 
 def moe_grouped_ffn(

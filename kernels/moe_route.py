@@ -23,7 +23,7 @@ import math
 import torch
 
 from flashtier.kernels._moe_route_triton import moe_route_triton
-from flashtier.kernels._quant_common import resolve_impl
+from flashtier.kernels._quant_common import resolve_on_device
 from flashtier.kernels.moe_route_ref import moe_route_reference
 
 __all__ = ["moe_route", "moe_route_reference"]
@@ -60,15 +60,7 @@ def _validate(x, gate_weight, bias, top_k, route_scale, gate_temp, impl) -> str:
         raise ValueError(f"{_OP}: top_k must be an int in [1, {min(n_exp, MAX_TOP_K)}], got {top_k!r}")
     _positive(route_scale, "route_scale")
     _positive(gate_temp, "gate_temp")
-    for name, t in (("gate_weight", gate_weight), ("bias", bias)):
-        if t.device != x.device:
-            raise ValueError(f"{_OP}: {name} is on {t.device}, x on {x.device}: all inputs must be on one device")
-    impl = resolve_impl(impl, x, _OP)
-    if x.dtype == torch.float64:
-        if impl == "triton":
-            raise ValueError(f"{_OP}: the Triton path takes fp32 or bf16 x; float64 runs with impl='reference'")
-        impl = "reference"
-    return impl
+    return resolve_on_device(_OP, x, {"gate_weight": gate_weight, "bias": bias}, impl)
 
 
 def moe_route(
