@@ -135,7 +135,11 @@ def _model_engine(s: ServerSettings) -> EngineClient:
     from flashtier.server.tokenizer import Tokenizer
 
     config = s.engine_config()
-    if s.is_demo:  # the demo checkpoint (seeded random weights) in the cache directory
+    # The demo checkpoint (seeded random weights) in the cache directory. On a GPU in bf16/fp32 the engine makes
+    # the random weights on the device in their formats instead: writing flash-16e's checkpoint from the CPU
+    # needs ~120 GB of host memory and minutes, the device takes seconds.
+    on_device = config.device.startswith("cuda") and config.dtype != "float64"
+    if s.is_demo and not on_device:
         path = demo_checkpoint(os.path.join(s.cache_dir, "models"), s.effective_preset, s.weights_seed)
         config = dataclasses.replace(config, model_dir=str(path))
     cfg = resolve(config.model_dir, s.effective_preset)
