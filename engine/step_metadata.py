@@ -112,11 +112,12 @@ def build_step_rows(
         src: _entry_writes(spans, [int(f) for f in firsts], src, ratio, per_block, device)
         for src, (ratio, per_block) in (sources or {}).items()
     }
+    grams = _ngram_tokens(spans, ngram)
     return StepRows(
         positions=pos, row_seq=row_seq, last_rows=_dev(np.cumsum(lengths) - 1, device),
         block_table=_dev(tables, device, torch.int32)[row_seq],
         win_ring_row=base[:, None] + torch.remainder(col, w), win_step_row=step_row, win_from_step=from_step,
         win_start=w - count, win_count=count,
         ring_src_rows=_dev(src_rows, device), ring_dst_rows=_dev(dst_rows, device),
-        ngram_tokens=_dev(_ngram_tokens(spans, ngram), device), writes=writes,
+        ngram_tokens=_dev(grams, device), writes=writes, ngram_tokens_host=torch.from_numpy(grams),
     )

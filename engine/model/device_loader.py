@@ -4,8 +4,10 @@
     place_in_formats_(model, "cuda")       a float model (random weights made on the device) converted
 
 FP8 linears become ``Fp8Linear`` (e4m3 codes + e8m0 32x32 scales), each MoE's routed experts (MXFP4) and shared
-expert (FP8) one ``ExpertWeights``; everything else (bf16 / fp32 tensors, the Engram table) is dequantised into
-the parameter's dtype. Peak extra memory while loading: one MoE layer's stored expert bytes.
+expert (FP8) one ``ExpertWeights``; everything else (bf16 / fp32 tensors) is dequantised into the parameter's
+dtype. The Engram tables stay in host memory in their stored form (``host_engram``, default on for CUDA;
+engram_offload.py), else they are dequantised like the rest. Peak extra memory while loading: one MoE layer's
+stored expert bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from torch import nn
 
 from flashtier.engine.model.checkpoint_reader import CheckpointReader, StorageFormat, dequantize
 from flashtier.engine.model.engram import default_token_map
+from flashtier.engine.model.engram_offload import TABLE_SUFFIX, attach_host_tables_, tables_to_host_, wants_host_tables
+from flashtier.engine.model.engram_table import HostTable
 from flashtier.engine.model.expert_weights import ExpertWeights
 from flashtier.engine.model.fp8_linear import Fp8Linear
 from flashtier.engine.model.loader import meta_model
@@ -31,11 +35,15 @@ from flashtier.kernels.fp8_weight import as_e4m3fn, as_e8m0
 _EXPERT = re.compile(r"^(?P<moe>.+\.ffn)\.(?:experts\.(?P<e>\d+)|shared_experts)\.(?P<w>w[123])\.weight$")
 
 
-def place_in_formats_(model: Transformer, device: torch.device | str) -> Transformer:
+def place_in_formats_(model: Transformer, device: torch.device | str, *, host_engram: bool | None = None
+                      ) -> Transformer:
     """Convert a float model in place: FP8 linears and the experts into their stored formats on ``device``,
-    then the rest moved there. Returns ``model``."""
+    the Engram tables into host memory (``host_engram``: None = on for CUDA), then the rest moved there.
+    Returns ``model``."""
     convert_experts_(model, device)
     quantize_linears_(model, device)
+    if wants_host_tables(host_engram, device):
+        tables_to_host_(model, device)
     return model.to(device)
 
 
@@ -54,9 +62,10 @@ def _experts(moe: MoE, parts: dict[tuple[str, int], tuple], device) -> ExpertWei
 @torch.no_grad()
 def load_model_in_formats(
     model_dir: str | Path, device: str | torch.device, *, dtype: torch.dtype = torch.bfloat16,
-    with_dspark: bool = False, progress: bool = True,
+    with_dspark: bool = False, progress: bool = True, host_engram: bool | None = None,
 ) -> Transformer:
-    """Stream ``model_dir`` (official layout) onto ``device`` in the stored formats.
+    """Stream ``model_dir`` (official layout) onto ``device`` in the stored formats; the Engram tables into host
+    memory instead (``host_engram``: None = on for CUDA), never through the device.
 
     Raises CheckpointError (a ValueError) before reading anything when a tensor is missing or mis-shaped.
     """
@@ -69,7 +78,13 @@ def load_model_in_formats(
     moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
     pending: dict[str, dict[tuple[str, int], tuple]] = defaultdict(dict)
     reader = CheckpointReader(model_dir)
-    for plan, data, scale in reader.load_stored(expected, device=device, progress=progress, strict=with_dspark):
+    host, tables = wants_host_tables(host_engram, device), {}
+    for plan, data, scale in reader.load_stored(expected, device="cpu", progress=progress, strict=with_dspark):
+        if host and plan.name.endswith(TABLE_SUFFIX):
+            engram = model.get_submodule(plan.name.removesuffix(".embed.weight"))
+            tables[engram.layer] = HostTable.from_stored(data, scale, pin=torch.device(device).type == "cuda")
+            continue
+        data, scale = data.to(device), None if scale is None else scale.to(device)
         hit = _EXPERT.match(plan.name)
         if hit:
             moe_name = hit["moe"]
@@ -86,6 +101,8 @@ def load_model_in_formats(
                     Fp8Linear(as_e4m3fn(data), as_e8m0(scale), compute_dtype=params[plan.name].dtype))
             continue
         _set_param(model, plan.name, dequantize(plan.fmt, data, scale, params[plan.name].dtype))
+    if tables:
+        attach_host_tables_(model, tables, device, dtype)
     model.token_map = default_token_map(cfg).to(device)
     left = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
     if left or pending:

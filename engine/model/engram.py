@@ -92,6 +92,9 @@ class Engram(nn.Module):
         self.primes = flat
         self.offsets = [sum(flat[:i]) for i in range(len(flat))]
         self.multipliers = engram_multipliers(cfg, layer)
+        # engram_offload moves the table to host memory: then ``embed`` is None and ``host`` (HostEngramTables)
+        # brings the step's rows to the device; a plain attribute, so .to() and state_dict() never see it
+        self.host = None
 
     def rows(self, ngram_ids: torch.Tensor) -> torch.Tensor:
         """Table rows [T, n_hashes] from compressed ids ngram_ids [T, N] (column s = token at pos - s)."""
@@ -112,7 +115,11 @@ class Engram(nn.Module):
         """h [T, hc, D] residual streams -> updated streams (fp32)."""
         cfg = self.cfg
         t, hc, d = h.shape
-        e = self.embed.weight[self.rows(ngram_ids)].reshape(t, -1)
+        if self.host is not None:
+            e = self.host.take(self.layer, ngram_ids, self.rows)
+        else:
+            e = self.embed.weight[self.rows(ngram_ids)]
+        e = e.reshape(t, self.n_hashes * cfg.engram_head_dim)
         kv = linear(e, self.wkv)  # act quant: official Engram.forward, self.wkv(self.embed(...)) (fp8 Linear)
         key = kv[:, : hc * d].view(t, hc, d)
         value = kv[:, hc * d :]

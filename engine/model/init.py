@@ -77,15 +77,19 @@ def random_model(cfg, *, seed: int = 0, dtype: torch.dtype = torch.float32, with
 
 @torch.no_grad()
 def random_model_on_device(
-    cfg, device: torch.device | str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, with_dspark: bool = True
+    cfg, device: torch.device | str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, with_dspark: bool = True,
+    host_engram: bool | None = None,
 ) -> Transformer:
     """``random_model`` built where it will run: parameters drawn and snapped to their formats on ``device``,
     one tensor at a time (seconds for flash-16e on a GPU, where the CPU path takes minutes).
 
-    Same scale rules as ``random_model``, a different generator (values differ from the CPU model's).
+    Same scale rules as ``random_model``, a different generator (values differ from the CPU model's). With
+    ``host_engram`` (None = on for CUDA) each Engram table, drawn on the device like the rest (same values),
+    then moves to host memory (engram_offload.py).
     """
     from flashtier.engine.model.checkpoint import quantize_roundtrip
     from flashtier.engine.model.engram import default_token_map
+    from flashtier.engine.model.engram_offload import tables_to_host_, wants_host_tables
 
     with torch.device("meta"):
         model = Transformer(cfg, dtype=dtype, with_dspark=with_dspark)
@@ -100,4 +104,6 @@ def random_model_on_device(
     for name, p in model.named_parameters():
         v = _draw(name, tuple(p.shape), normal)
         p.copy_(quantize_roundtrip({name: v}, {name: formats[name]}, on_device=True)[name].to(p.dtype))
+    if wants_host_tables(host_engram, device):
+        tables_to_host_(model, device)
     return model.eval()

@@ -16,6 +16,7 @@ import torch
 from flashtier.engine.model.batch_attention import PagedViews, RowSlots, attend_rows
 from flashtier.engine.model.batch_entries import write_entries
 from flashtier.engine.model.batch_forward import SequenceKV
+from flashtier.engine.model.engram_offload import prefetch_engram
 from flashtier.engine.model.mhc import identity_pre
 from flashtier.engine.model.step_rows import StepRows
 from flashtier.engine.model.transformer import Transformer
@@ -45,6 +46,7 @@ def run_layers(
     (encoder) the pool's entries; returns the part's selections and opened groups too. ``capture``: as in
     ``batch_forward.decode_batch``."""
     grams = ngram_classes(model, rows)
+    prefetch_engram(model, layers, grams, rows.ngram_tokens_host)  # host tables: rows copied in ahead of use
     pos = rows.positions
     slots = RowSlots()
     for layer in layers:

@@ -65,6 +65,7 @@ class StepRows:
     ring_dst_rows: torch.Tensor  # [R] int64 their arena rows
     ngram_tokens: torch.Tensor  # [T, n] int64 token ids at pos, pos-1, ..., pos-n+1 (-1 before position 0)
     writes: dict[int, EntryWrites]  # KV source layer -> entries this part writes (encoder part only)
+    ngram_tokens_host: torch.Tensor | None = None  # ngram_tokens on the host: the Engram prefetch reads it
 
     @property
     def num_rows(self) -> int:
