@@ -9,6 +9,7 @@ from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import load_model_in_formats, place_in_formats_
+from flashtier.engine.model.engram import Engram
 from flashtier.engine.model.init import random_model, random_model_on_device
 from flashtier.engine.model.loader import load_model
 from flashtier.engine.model.transformer import Transformer
@@ -43,6 +44,15 @@ def build_model(config: EngineConfig) -> Transformer:
     )
 
 
+def _reserve_engram_staging(model: Transformer, tokens: int) -> None:
+    """Size the host Engram tables' pinned staging for a full step now (a first large step would otherwise grow
+    it with a sync). No-op when the tables are on the device."""
+    for module in model.modules():
+        if isinstance(module, Engram) and module.host is not None:
+            module.host.reserve(tokens)  # one HostEngramTables serves every Engram layer
+            return
+
+
 def build_engine(
     config: EngineConfig,
     kv_config: KVStoreConfig | None = None,
@@ -53,6 +63,7 @@ def build_engine(
     """``tiers``: attach a ``TierManager`` (SSD tier when ``kv_config.ssd_dir`` is set, snapshot pool:
     Redis when ``redis_url`` is set, else the embedded pool)."""
     model = build_model(config)
+    _reserve_engram_staging(model, config.max_num_batched_tokens)
     if token_map is not None:
         model.set_token_map(token_map.to(model.device))
     kv_config = kv_config or KVStoreConfig()
