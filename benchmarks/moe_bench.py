@@ -44,6 +44,7 @@ TOL = 5e-3  # worst row's relative RMS vs the reference (tests/kernels/test_moe_
 SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages); none spills on sm_90 (ptxas) but the last
     (16, 64, 64, 8, 4), (16, 64, 64, 8, 6), (16, 64, 64, 8, 2), (16, 32, 64, 8, 4), (16, 64, 64, 16, 4),
     (16, 128, 64, 8, 4), (16, 64, 128, 8, 4), (64, 64, 64, 8, 3), (32, 64, 64, 8, 4),
+    (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (16, 32, 128, 4, 3), (16, 32, 256, 4, 3), (16, 32, 64, 2, 4),
 ]
 
 

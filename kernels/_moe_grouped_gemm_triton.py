@@ -52,13 +52,13 @@ class MoEGemmConfig:
     also ``moe_align``'s block size, and a pair's bits depend only on this shape, not on its neighbours."""
 
     block_m: int = 16  # pairs per tile: decode batches put a few pairs on each expert
-    block_n: int = 64  # output columns per program (a multiple of 32: whole FP8 blocks of the activation)
+    block_n: int = 32  # output columns per program (a multiple of 32: whole FP8 blocks of the activation)
     block_k: int = 64  # K elements per step: one 32-byte sector of each MXFP4 weight row
-    # sm_90 build (ptxas, with the divisibility Triton specialises on at launch; no GPU run yet): 95 / 56
-    # registers for the w1+w3 / w2 launches, no spills. block_k 128 doubles the w1+w3 registers (the
-    # in-register decode of the weight tile is what needs them) and spills with 4 warps.
-    # benchmarks/moe_bench.py --sweep times the alternatives on the device.
-    num_warps: int = 8
+    # Chosen by benchmarks/moe_bench.py --sweep on the H200 (flash-16e layer, CUDA-graph us at 1 / 8 / 64 tokens,
+    # docs/perf/moe.json "sweep"): n32 w4 s4 880 / 1389 / 3301 against 1272 / 1716 / 3410 for the earlier
+    # n64 w8 s4, the fastest at 1 and 8 tokens and within 4% of the best at 64. More programs of fewer warps
+    # hide more of the per-step load latency at decode sizes; the kernel stays ~25x its byte floor at 1 token.
+    num_warps: int = 4
     num_stages: int = 4
 
     def __post_init__(self) -> None:
