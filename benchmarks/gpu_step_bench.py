@@ -5,12 +5,8 @@ batch size B: B requests with ``--prompt``-token prompts are prefilled, then ``-
 (each ``Engine.step()`` whole: schedule, forward, sampling, postprocess; synchronised). One more step runs
 under torch.profiler for the per-op table.
 
-    floor = (weight bytes the step reads + KV bytes it reads) / copy rate
-    weight bytes = every parameter as stored on the GPU, except: routed experts only those the step's routing
-                   chose (counted per layer), the embedding and Engram tables only the rows looked up
-    KV bytes     = per layer and row: window slots (528 B) + selected global entries (288 B) + index keys
-                   scored (68 B each, indexer layers)
-    copy rate    = bytes read + written by a 2 GiB device-to-device copy, measured in this run
+    floor = (weight bytes the step reads + KV bytes it reads) / copy rate, measured in this run
+    (the accounting is benchmarks/_step_floor.py, shared with decode_floor_bench.py)
 
 Usage: python3 -P benchmarks/gpu_step_bench.py --preset flash-16e --batches 1,64 --json OUT.json
 (flashtier importable, TRITON_INTERPRET=0).
@@ -22,98 +18,20 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
+from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.model.config import preset
-from flashtier.engine.model.init import random_model_on_device
-from flashtier.engine.model.moe import MoE
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared floor accounting (run as python3 -P)
+from _step_floor import copy_rate, kv_bytes, make_model, profile_ops, routed_experts_chosen, weight_bytes  # noqa: E402
+
 BLOCK = 64
 HOST_PROFILE = False
-
-
-def copy_rate() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
-    return 2 * src.numel() / (ms * 1e-3)
-
-
-def routed_experts_chosen(engine: Engine) -> dict[int, int]:
-    """Run one step with the MoE routing recorded: distinct experts chosen per MoE module."""
-    chosen: dict[int, set[int]] = defaultdict(set)
-    originals = {}
-    for mod in engine.model.modules():
-        if isinstance(mod, MoE):
-            originals[mod] = mod.route
-
-            def route(x, mod=mod, real=mod.route):
-                idx, w = real(x)
-                chosen[id(mod)].update(idx.flatten().tolist())
-                return idx, w
-
-            mod.route = route
-    engine.step()
-    for mod, real in originals.items():
-        mod.route = real
-    return {k: len(v) for k, v in chosen.items()}
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def weight_bytes(model, chosen: dict[int, int]) -> int:
-    """Bytes of the weights as resident (parameters and the quantised buffers), routed experts scaled by the
-    fraction of experts the step's routing chose in each layer."""
-    total = 0
-    for mod in model.modules():
-        if isinstance(mod, MoE):
-            n = mod.gate.weight.shape[0]
-            routed = _nbytes(mod.experts.parameters()) + _nbytes(mod.experts.buffers())
-            total += routed * chosen.get(id(mod), n) // n
-            if mod.shared_experts is not None:
-                total += _nbytes(mod.shared_experts.parameters()) + _nbytes(mod.shared_experts.buffers())
-    named = [*model.named_parameters(), *model.named_buffers()]
-    for name, t in named:
-        if ".experts." in name or ".shared_experts." in name or name == "token_map":
-            continue
-        if name == "embed.weight" or "engram.embed" in name:
-            continue  # rows gathered: negligible
-        total += t.numel() * t.element_size()
-    return total
-
-
-def kv_bytes(cfg, batch: int, context: int) -> int:
-    per_row = 0
-    for role in cfg.layer_roles():
-        per_row += min(context, cfg.sliding_window) * 528 * cfg.head_dim // 512
-        if role.ratio:
-            n = context // role.ratio
-            per_row += min(n, cfg.index_topk) * 288 * cfg.head_dim // 512
-            if role.role in ("full", "reindex"):
-                per_row += n * 68 * cfg.index_head_dim // 128
-    return per_row * batch
-
-
-def profile_ops(engine: Engine) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.step()
-            torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001 - a profiler that cannot start must not lose the timings
-        return {"profiler failed": str(exc)[:80]}
-    ops = sorted(((e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()), key=lambda kv: -kv[1])
-    return {k[:60]: round(v, 3) for k, v in ops[:15]}
 
 
 def run_batch(model, batch: int, prompt: int, steps: int, rate: float) -> dict:
@@ -141,7 +59,7 @@ def run_batch(model, batch: int, prompt: int, steps: int, rate: float) -> dict:
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    ops = profile_ops(engine)
+    ops = profile_ops(engine, torch.device("cuda"))
     if HOST_PROFILE:
         import cProfile
         import pstats
@@ -174,16 +92,9 @@ def main() -> None:
     args = ap.parse_args()
     global HOST_PROFILE
     HOST_PROFILE = args.host_profile
-    rate = copy_rate()
+    rate = copy_rate(torch.device("cuda"))
     t = time.perf_counter()
-    model = random_model_on_device(preset(args.preset), "cuda", dtype=torch.bfloat16, with_dspark=False)
-    if args.formats == "checkpoint":  # FP8 linears (e4m3 + 32x32 e8m0), routed experts MXFP4, shared FP8
-        from flashtier.engine.model.moe_convert import convert_experts_
-        from flashtier.engine.model.placement import quantize_linears_
-
-        quantize_linears_(model, "cuda")
-        convert_experts_(model, "cuda")
-    torch.cuda.synchronize()
+    model = make_model(args.preset, torch.device("cuda"), args.formats)
     made_s = time.perf_counter() - t
     print(f"model made in {made_s:.1f} s", flush=True)
     rows = []

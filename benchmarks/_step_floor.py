@@ -1,0 +1,148 @@
+"""The byte floor of one decode step of the engine, shared by gpu_step_bench.py and decode_floor_bench.py.
+
+    floor = (weight bytes the step reads + KV bytes it reads) / copy rate
+    weight bytes = every parameter as stored on the device, except: routed experts only those the step's routing
+                   chose (counted per layer), the embedding and Engram tables only the rows looked up (left out)
+    KV bytes     = per layer and row: window slots (528 B) + selected global entries (288 B, top-k) + index keys
+                   scored (68 B each): a Full layer scores every visible entry of its source (layer 20: N keys,
+                   layers 2 / 8 / 14: N / 2), a Reindex layer only layer 20's candidate pool (2048 x 8 entries)
+    copy rate    = bytes read + written by a device-to-device copy, measured in the same run
+
+The benchmarks add ``benchmarks/`` to ``sys.path`` to import this module (they run as ``python3 -P``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from flashtier.engine.engine import Engine
+from flashtier.engine.model.config import ModelConfig, preset
+from flashtier.engine.model.init import random_model, random_model_on_device
+from flashtier.engine.model.moe import MoE
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_rate(device: torch.device) -> float:
+    """Bytes read + written per second by a copy on ``device`` (2 GiB on CUDA, 64 MiB on the CPU, best of 5)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
+        return 2 * src.numel() / (ms * 1e-3)
+    src = torch.ones(64 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() / best
+
+
+def make_model(name: str, device: torch.device, formats: str = "checkpoint"):
+    """The preset with seeded random weights: on CUDA made on the device in bf16 (``formats="checkpoint"``: FP8
+    linears with e8m0 32x32 scales, routed experts MXFP4, shared expert FP8); on the CPU in float32."""
+    cfg = preset(name)
+    if device.type != "cuda":
+        return random_model(cfg, seed=0, dtype=torch.float32, with_dspark=False)
+    model = random_model_on_device(cfg, "cuda", dtype=torch.bfloat16, with_dspark=False)
+    if formats == "checkpoint":
+        from flashtier.engine.model.moe_convert import convert_experts_
+        from flashtier.engine.model.placement import quantize_linears_
+
+        quantize_linears_(model, "cuda")
+        convert_experts_(model, "cuda")
+    torch.cuda.synchronize()
+    return model
+
+
+def routed_experts_chosen(engine: Engine) -> dict[int, int]:
+    """Run one ``engine.step()`` with the MoE routing recorded: distinct experts chosen per MoE module (by id)."""
+    chosen: dict[int, set[int]] = defaultdict(set)
+    originals = {}
+    for mod in engine.model.modules():
+        if isinstance(mod, MoE):
+            originals[mod] = mod.route
+
+            def route(x, mod=mod, real=mod.route):
+                idx, w = real(x)
+                chosen[id(mod)].update(idx.flatten().tolist())
+                return idx, w
+
+            mod.route = route
+    try:
+        engine.step()
+    finally:
+        for mod, real in originals.items():
+            mod.route = real
+    return {k: len(v) for k, v in chosen.items()}
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weight_bytes(model, chosen: dict[int, int]) -> int:
+    """Bytes of the weights as resident (parameters and the quantised buffers), routed experts scaled by the
+    fraction of experts the step's routing chose in each layer."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            n = mod.gate.weight.shape[0]
+            routed = _nbytes(mod.experts.parameters()) + _nbytes(mod.experts.buffers())
+            total += routed * chosen.get(id(mod), n) // n
+            if mod.shared_experts is not None:
+                total += _nbytes(mod.shared_experts.parameters()) + _nbytes(mod.shared_experts.buffers())
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in named:
+        if ".experts." in name or ".shared_experts." in name or name == "token_map":
+            continue
+        if name == "embed.weight" or "engram.embed" in name:
+            continue  # rows gathered: negligible
+        total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+    """KV bytes one decode step reads for ``batch`` rows with ``context`` tokens of context (module docstring)."""
+    slot = cfg.head_dim + cfg.head_dim // 32  # FP8 window record
+    entry = cfg.head_dim // 2 + cfg.head_dim // 16  # FP4 main-KV record
+    key = cfg.index_head_dim // 2 + cfg.index_head_dim // 32  # MXFP4 index-K record
+    pool = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    per_row = 0
+    for role in cfg.layer_roles():
+        per_row += min(context, cfg.sliding_window) * slot
+        if role.ratio:
+            n = context // role.ratio
+            per_row += min(n, cfg.index_topk) * entry
+            if role.role == "full":
+                per_row += n * key
+            elif role.role == "reindex":
+                per_row += min(n, pool) * key
+    return per_row * batch
+
+
+def profile_ops(engine: Engine, device: torch.device) -> dict[str, float]:
+    """Run one ``engine.step()`` under torch.profiler: the 15 ops with the most self time (ms, device time on
+    CUDA, CPU time otherwise). A profiler that cannot start returns {"profiler failed": reason}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    try:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            engine.step()
+            sync(device)
+    except Exception as exc:  # noqa: BLE001 - a profiler that cannot start must not lose the timings
+        return {"profiler failed": str(exc)[:80]}
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ops = sorted(((e.key, getattr(e, key) / 1e3) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    return {k[:60]: round(v, 3) for k, v in ops[:15]}

@@ -1,0 +1,33 @@
+"""The KV term of the decode-step floor (benchmarks/_step_floor.py) against hand arithmetic for V4.1-Flash.
+
+Per row and step (real geometry, layers 0-1 SWA only, 2-19 ratio 2, 20-39 ratio 1):
+window 40 x 128 x 528 B; selected entries 38 x min(entries, 512) x 288 B; index keys 68 B each: every visible
+entry at the Full layers (20: N, 2 / 8 / 14: N / 2 each), only the 2048 x 8 candidate pool at the 4 Reindex layers.
+"""
+
+import pytest
+
+from benchmarks._step_floor import kv_bytes
+from flashtier.engine.model.config import preset
+
+CASES = [  # context -> bytes per row
+    pytest.param(4096, 40 * 128 * 528 + 38 * 512 * 288 + (4096 + 3 * 2048) * 68 + 4 * 4096 * 68, id="4K"),
+    pytest.param(131072, 40 * 128 * 528 + 38 * 512 * 288 + (131072 + 3 * 65536) * 68 + 4 * 16384 * 68, id="128K"),
+    pytest.param(1 << 20, 40 * 128 * 528 + 38 * 512 * 288 + (1 << 20) * 68 * 5 // 2 + 4 * 16384 * 68, id="1M"),
+    pytest.param(101, 40 * 101 * 528 + 18 * 50 * 288 + 20 * 101 * 288 + (101 + 3 * 50) * 68 + 4 * 101 * 68,
+                 id="101-short"),
+]
+
+
+@pytest.mark.parametrize("context,per_row", CASES)
+def test_kv_bytes_per_row(context, per_row):
+    cfg = preset("v4.1-flash")
+    assert kv_bytes(cfg, 1, context) == per_row
+    assert kv_bytes(cfg, 64, context) == 64 * per_row
+
+
+def test_kv_bytes_grow_with_the_full_sweeps_only():
+    """From 4K to 1M only the Full layers' key sweeps grow: 2.5 keys of 68 B per token of context."""
+    cfg = preset("v4.1-flash")
+    assert kv_bytes(cfg, 1, 1 << 20) - kv_bytes(cfg, 1, 1 << 19) == (1 << 19) * 68 * 5 // 2
+    assert kv_bytes(cfg, 1, 1 << 20) == 191_021_056  # 191 MB per row at 1M: 2.7 + 5.6 + 178.3 + 4.5 MB
