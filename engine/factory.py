@@ -44,7 +44,7 @@ def build_model(config: EngineConfig) -> Transformer:
     )
 
 
-def _reserve_engram_staging(model: Transformer, tokens: int) -> None:
+def reserve_engram_staging(model: Transformer, tokens: int) -> None:
     """Size the host Engram tables' pinned staging for a full step now (a first large step would otherwise grow
     it with a sync). No-op when the tables are on the device."""
     for module in model.modules():
@@ -63,7 +63,7 @@ def build_engine(
     """``tiers``: attach a ``TierManager`` (SSD tier when ``kv_config.ssd_dir`` is set, snapshot pool:
     Redis when ``redis_url`` is set, else the embedded pool)."""
     model = build_model(config)
-    _reserve_engram_staging(model, config.max_num_batched_tokens)
+    reserve_engram_staging(model, config.max_num_batched_tokens)
     if token_map is not None:
         model.set_token_map(token_map.to(model.device))
     kv_config = kv_config or KVStoreConfig()

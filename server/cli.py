@@ -23,7 +23,10 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _LOG_HANDLER = "flashtier"  # the name of the root handler configure_logging installs (once)
 
 if TYPE_CHECKING:
+    import torch
+
     from flashtier.engine.client import EngineClient
+    from flashtier.engine.config import EngineConfig
     from flashtier.server.app import EngineClientFactory
     from flashtier.server.settings import ServerSettings
 
@@ -144,7 +147,23 @@ def _model_engine(s: ServerSettings) -> EngineClient:
         config = dataclasses.replace(config, model_dir=str(path))
     cfg = resolve(config.model_dir, s.effective_preset)
     tok = Tokenizer(s.tokenizer) if s.tokenizer else Tokenizer.from_model_dir(s.model_dir)
+    if s.tensor_parallel_size > 1:
+        return _parallel_engine(s, config, model_token_map(tok, cfg))
     return build_async_engine(config, s.kvstore, model_token_map(tok, cfg), tiers=True)
+
+
+def _parallel_engine(s: ServerSettings, config: EngineConfig, token_map: torch.Tensor) -> EngineClient:
+    """One rank process per --tensor-parallel-size, each running the whole engine on its shard (SPMD,
+    engine/parallel/executor.py). The KV tiers stay off: their lookups complete on I/O threads at times the
+    ranks do not share, which would schedule the ranks differently."""
+    import logging
+
+    from flashtier.engine.parallel.executor import start_parallel_engine
+
+    logging.getLogger("flashtier.server.settings").warning(
+        "--tensor-parallel-size %d: the SSD tier and the snapshot pool are off (tiers are single-process for "
+        "now); each rank keeps its HBM prefix cache", s.tensor_parallel_size)
+    return start_parallel_engine(s.parallel_config(), config, s.kvstore, token_map, seed=s.seed)
 
 
 class OneLineParser(argparse.ArgumentParser):

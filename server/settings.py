@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashtier.engine.config import EngineConfig
 from flashtier.kvstore.config import KVStoreConfig, ssd_segment_bytes_for
@@ -39,6 +39,9 @@ from flashtier.server.settings_options import (
     Option,
     default_cache_dir,
 )
+
+if TYPE_CHECKING:
+    from flashtier.engine.parallel.parallel_config import ParallelConfig
 
 __all__ = ["ENV_PREFIX", "OPTIONS", "ServerSettings", "add_serve_arguments", "build_settings",
            "default_cache_dir"]
@@ -85,6 +88,8 @@ class ServerSettings:
     weights_seed: int = 0
     speculative: int = 0  # drafts verified per step (0: off), --speculative / --speculative-config
     speculative_min_confidence: float = 0.1
+    tensor_parallel_size: int = 1  # > 1: one rank process each (engine/parallel/executor.py), tiers off
+    expert_parallel: bool = False
     response_store_ttl_s: float = 24 * 3600.0  # --response-store-ttl (server/response_store.py)
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     cache_dir: str = field(default_factory=default_cache_dir)
@@ -105,6 +110,9 @@ class ServerSettings:
                             ("--max-tokenize-bytes", self.max_tokenize_bytes)):
             if value < 1024:
                 raise ValueError(f"{flag} must be at least 1024, got {value}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) or (
+                self.tensor_parallel_size < 1):
+            raise ValueError(f"--tensor-parallel-size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.max_tokens_default < 0:
             raise ValueError(f"--max-tokens-default must be >= 0, got {self.max_tokens_default}")
 
@@ -129,6 +137,12 @@ class ServerSettings:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def parallel_config(self) -> ParallelConfig:
+        """The model's split over ranks (ValueError naming the flag for a bad size)."""
+        from flashtier.engine.parallel.parallel_config import ParallelConfig  # torch.distributed: only when used
+
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, expert_parallel=self.expert_parallel)
 
     def engine_config(self) -> EngineConfig:
         """The engine's config; resolves device (cuda when available) and dtype "auto" now."""
@@ -243,7 +257,7 @@ def build_settings(argv_namespace: argparse.Namespace | None, environ: Mapping[s
             kv_dir = os.path.join(cache_dir, "kv", label)
     else:
         kv_dir = None
-    values.pop("tensor_parallel_size")  # vLLM's flags: the parser accepts only 1, and the other has no effect
+    values.pop("data_parallel_size")  # vLLM's flags: the parser accepts only 1, and the other has no effect
     values.pop("trust_remote_code")
     lifetime = values.pop("kv_lifetime_s")
     budget = values.pop("kv_disk_budget")

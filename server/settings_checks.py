@@ -5,6 +5,8 @@ warnings for what it can run with, degraded::
 
     --device                a torch device this machine has
     MODEL_DIR / --preset    the model config resolves (config.json or a known preset)
+    --tensor-parallel-size  divides the model's heads, output groups, vocabulary and experts; CUDA sees a
+                            device per rank; not with --speculative (the drafter reads the whole head)
     --kv-disk-budget        a segment of the budget (ssd_segment_bytes_for) holds one block record
     --kv-dir                a directory, not a file; not on a kernel file system (/proc, /sys, devtmpfs);
                             not read-only; creatable and writable; not held by another ``serve`` (its
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from flashtier.engine.model.config import ModelConfig
 
 __all__ = ["REDIS_PROBE_TIMEOUT_S", "SettingsError", "check_device", "check_kv_dir", "check_model",
-           "check_segment_fits", "preflight", "probe_redis"]
+           "check_parallel", "check_segment_fits", "preflight", "probe_redis"]
 
 REDIS_PROBE_TIMEOUT_S = 0.5
 LOCK_NAME = "LOCK"  # the file SSDStore flocks in its directory (kvstore/ssd_store.py)
@@ -61,6 +63,7 @@ def preflight(settings: ServerSettings) -> list[str]:
     kv = settings.kvstore
     check_device(settings.device)
     cfg = check_model(settings)
+    check_parallel(settings, cfg)
     if kv.ssd_dir is not None:
         check_segment_fits(cfg, kv)
         check_kv_dir(kv.ssd_dir)
@@ -107,6 +110,33 @@ def check_model(settings: ServerSettings) -> ModelConfig:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SettingsError("MODEL_DIR", settings.model_dir, f"its config cannot be read ({exc})",
                             "pass a checkpoint directory holding the model's config.json") from None
+
+
+def check_parallel(settings: ServerSettings, cfg: ModelConfig) -> None:
+    """--tensor-parallel-size / --expert-parallel fit the model and the machine (nothing to check at 1)."""
+    tp = settings.tensor_parallel_size
+    if tp == 1:
+        return
+    if settings.speculative:
+        raise SettingsError("--speculative", settings.speculative, f"cannot run with --tensor-parallel-size {tp} "
+                            "(the DSpark drafter reads the whole vocabulary head)",
+                            "turn it off (--speculative off) or serve on one rank")
+    try:
+        settings.parallel_config().validate_for(cfg)
+    except ValueError as exc:
+        raise SettingsError("--tensor-parallel-size", tp, f"{cfg.name} cannot be split over {tp} ranks ({exc})",
+                            "pick a size that divides it") from None
+    device = settings.engine_config().device
+    import torch
+
+    if torch.device(device).type == "cuda":
+        if torch.device(device).index is not None:
+            raise SettingsError("--device", device, f"names one GPU, but --tensor-parallel-size {tp} runs rank r "
+                                "on cuda:r", "pass --device cuda (CUDA_VISIBLE_DEVICES picks the GPUs)")
+        count = torch.cuda.device_count()
+        if count < tp:
+            raise SettingsError("--tensor-parallel-size", tp, f"needs {tp} GPUs, CUDA sees {count} here",
+                                f"use at most {count}, or --device cpu")
 
 
 def check_segment_fits(cfg: ModelConfig, kv: KVStoreConfig) -> None:

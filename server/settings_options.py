@@ -118,11 +118,11 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _tensor_parallel_size(text: str) -> int:
+def _data_parallel_size(text: str) -> int:
     value = _positive_int(text)
     if value != 1:
-        raise ValueError(f"{value} is not supported: flashtier serves on one GPU (multi-GPU serving is not "
-                         "implemented yet); pass 1 or leave it out")
+        raise ValueError(f"{value} is not supported: data parallel serving is not implemented; split the model "
+                         "with --tensor-parallel-size (and --expert-parallel) instead")
     return value
 
 
@@ -308,8 +308,14 @@ OPTIONS: tuple[Option, ...] = (
            "cuda, float32 on cpu; vLLM's `float` is float32)"),
     Option("seed", "--seed", _int, None, "seed of the random draws of requests without their own `seed` "
            "(torch.manual_seed at start, as vLLM's --seed); default: unseeded"),
-    Option("tensor_parallel_size", "--tensor-parallel-size", _tensor_parallel_size, 1, "vLLM's flag; only 1 "
-           "(one GPU) is supported", aliases=("-tp",)),
+    Option("tensor_parallel_size", "--tensor-parallel-size", _positive_int, 1, "ranks the model is split over, "
+           "one process each (GPU r on CUDA, gloo on the CPU): attention heads, vocabulary and experts; it must "
+           "divide the heads' output groups; the SSD tier and the snapshot pool are off above 1", aliases=("-tp",)),
+    Option("expert_parallel", "--expert-parallel", _parse_bool, False, "with --tensor-parallel-size N: split the "
+           "routed experts over the N ranks (all-to-all) instead of splitting every expert's width",
+           kind="bool", aliases=("--enable-expert-parallel",)),
+    Option("data_parallel_size", "--data-parallel-size", _data_parallel_size, 1, "vLLM's flag; only 1 (data "
+           "parallel serving is not implemented)", aliases=("-dp",)),
     Option("trust_remote_code", "--trust-remote-code", _parse_bool, False, "vLLM's flag, accepted with no "
            "effect: flashtier runs no code from the checkpoint", kind="bool"),
     Option("weights_seed", "--weights-seed", _int, 0, "seed of the demo preset's random weights",

@@ -47,6 +47,9 @@ def _duration(seconds: float) -> str:
 def _engine_line(settings: ServerSettings, engine: Any) -> str:
     """Device, dtype and HBM pool of the engine (an ``AsyncEngine`` is read; another client reports what the
     settings resolve to)."""
+    summary = getattr(engine, "engine_summary", None)  # a client over several ranks describes itself
+    if callable(summary):
+        return summary()
     inner = getattr(engine, "engine", None)
     kvm, layout, model = (getattr(inner, name, None) for name in ("kvm", "layout", "model"))
     if kvm is not None and layout is not None and model is not None:
@@ -70,10 +73,13 @@ def startup_lines(settings: ServerSettings, engine: Any) -> list[str]:
            f"{_duration(kv.ssd_lifetime_s)})" if kv.ssd_dir else "SSD tier: off (--no-kv-persist)")
     pool = (f"snapshot pool: {mask_url(kv.redis_url)}" if kv.redis_url else
             "snapshot pool: embedded in-process (no --redis-url)")
+    pool = f"{pool}, TTL {_duration(kv.snapshot_ttl_s)}"
+    if settings.tensor_parallel_size > 1:
+        why = f"off with --tensor-parallel-size {settings.tensor_parallel_size}"
+        ssd, pool = f"SSD tier: {why}", f"snapshot pool: {why}"
     auth = "API key required" if settings.api_key else "no API key"
     url = f"http://{settings.host}:{settings.port}/v1"
-    return [first, _engine_line(settings, engine), ssd, f"{pool}, TTL {_duration(kv.snapshot_ttl_s)}",
-            f"API: {url} ({auth})"]
+    return [first, _engine_line(settings, engine), ssd, pool, f"API: {url} ({auth})"]
 
 
 def log_startup(settings: ServerSettings, engine: Any) -> None:

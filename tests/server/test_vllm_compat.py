@@ -68,10 +68,9 @@ def test_vllm_flags_set_our_settings(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "line"), [
-    (["--tensor-parallel-size", "2"], "flashtier: error: --tensor-parallel-size/-tp: 2 is not supported: flashtier "
-                                      "serves on one GPU (multi-GPU serving is not implemented yet); pass 1 or leave "
-                                      "it out"),
-    (["-tp", "4"], "flashtier: error: --tensor-parallel-size/-tp: 4 is not supported"),
+    (["--data-parallel-size", "2"], "flashtier: error: --data-parallel-size/-dp: 2 is not supported: data parallel "
+                                    "serving is not implemented; split the model with --tensor-parallel-size"),
+    (["-tp", "0"], "flashtier: error: --tensor-parallel-size/-tp: must be a positive integer, got 0"),
     (["--dtype", "half"], "flashtier: error: --dtype: 'half' is not supported (no float16 kernels)"),
     (["--gpu-memory-utilization", "1.5"], "flashtier: error: --hbm-utilization/--gpu-memory-utilization: must be in"),
 ])
