@@ -28,7 +28,13 @@ class RowSpan:
 
 
 def _dev(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device=device, dtype=dtype)
+    host = torch.as_tensor(np.asarray(values, dtype=np.int64)).to(dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    # A copy from pageable memory waits for the GPU to drain (36 such waits per step, benchmarks/
+    # host_sync_audit.py); from pinned memory it is queued. The caching host allocator keeps the pinned block
+    # until the copy has run, so the host may drop its reference at once.
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _entry_writes(spans: Sequence[RowSpan], firsts: list[int], src: int, ratio: int, per_block: int,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.factory import reserve_engram_staging, build_model
+from flashtier.engine.factory import build_model, reserve_engram_staging
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import place_in_formats_
 from flashtier.engine.model.init import random_model_on_device
