@@ -248,6 +248,11 @@ class SSDStore:
         thread (it reads files). ValueError for a key that is not a BlockHash."""
         return self._reader.get_many(keys)
 
+    def get_many_into(self, keys: Sequence[BlockHash], dest: object, slot_bytes: int) -> list[bool]:
+        """Payload of ``keys[i]`` read straight into slot i of ``dest`` (e.g. a reused pinned buffer); True
+        where slot i holds it verified. See ``SSDReader.get_many_into``. Call it off the engine thread."""
+        return self._reader.get_many_into(keys, dest, slot_bytes)
+
     async def get_many_async(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         """``get_many`` on the event loop's default worker pool (for asyncio callers)."""
         return await asyncio.get_running_loop().run_in_executor(None, self.get_many, list(keys))

@@ -109,10 +109,12 @@ def test_read_errors_are_misses_counted_and_said_once(open_store, monkeypatch, c
     s = open_store()
     keys = [key(i) for i in range(3)]
     put_all(s, keys)
-    real_pread = os.pread
+    real_pread, real_preadv = os.pread, os.preadv
     monkeypatch.setattr(os, "pread", failing(errno.EIO))
+    monkeypatch.setattr(os, "preadv", failing(errno.EIO))  # get_many reads with preadv
     assert s.get_many(keys) == [None] * 3 and s.get(keys[0]) is None  # one coalesced pread, then one more
     monkeypatch.setattr(os, "pread", real_pread)
+    monkeypatch.setattr(os, "preadv", real_preadv)
     assert s.get_many(keys) == [payload(k) for k in keys]
     st = s.stats()
     assert (st.read_errors, st.misses, st.hits, st.write_errors, st.corrupt_records) == (2, 4, 3, 0, 0)
