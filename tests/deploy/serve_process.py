@@ -19,27 +19,40 @@ from ..kvstore.redis_server import free_port
 
 
 class ServeProcess:
-    def __init__(self, cache_dir: Path, *args: str, timeout_s: float = 240.0) -> None:
+    def __init__(self, cache_dir: Path, *args: str, timeout_s: float = 240.0, wait: bool = True) -> None:
+        """Start the server; ``wait``: return once /health answers 200 (else call ``wait_healthy``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "flashtier.server.cli", "serve", "--port", str(self.port), "--cache-dir",
                str(cache_dir), "--log-level", "warning", *args]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cache_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = cache_dir / "serve.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self._log)
+        if wait:
+            self.wait_healthy(timeout_s)
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> "ServeProcess":
+        """Block until /health answers 200; a server that exits or stays unhealthy raises (and is stopped)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"flashtier serve exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+                raise RuntimeError(f"flashtier serve exited: {self.log()[-3000:]}")
+            if self.health() == 200:
+                return self
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError("flashtier serve did not become healthy")
+        raise RuntimeError(f"flashtier serve did not become healthy: {self.log()[-3000:]}")
+
+    def health(self) -> int | None:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code
+        except httpx.HTTPError:
+            return None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     @property
     def pid(self) -> int:

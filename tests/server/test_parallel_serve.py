@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ import pytest
 
 from flashtier.server.cli import main
 
-from ..kvstore.redis_server import free_port
+from ..deploy.serve_process import ServeProcess
 
 COMMON = ("--dtype", "float64", "--no-kv-persist", "--block-size", "16", "--num-blocks", "128",
           "--max-num-batched-tokens", "256", "--drain-timeout", "5", "--log-level", "info")
@@ -36,38 +34,15 @@ PROMPT = [(1000 + 37 * i) % 120000 for i in range(29)]
 START_TIMEOUT_S = 240
 
 
-class Serve:
-    """One ``flashtier serve`` subprocess on a free loopback port; stopped by its pid only."""
+class Serve(ServeProcess):
+    """One ``flashtier serve`` subprocess with the common settings, not waited for (two start side by side)."""
 
     def __init__(self, cache_dir: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = cache_dir / "serve.log"
-        self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "flashtier.server.cli", "serve", "--port", str(self.port), "--cache-dir",
-               str(cache_dir), *COMMON, *args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self._log)
+        super().__init__(cache_dir, *COMMON, *args, timeout_s=START_TIMEOUT_S, wait=False)
 
-    def wait_healthy(self) -> "Serve":
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"flashtier serve exited: {self.log()[-3000:]}")
-            if self.health() == 200:
-                return self
-            time.sleep(0.25)
-        raise RuntimeError(f"flashtier serve did not become healthy: {self.log()[-3000:]}")
-
-    def health(self) -> int | None:
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code
-        except httpx.HTTPError:
-            return None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> "Serve":
+        super().wait_healthy(timeout_s)
+        return self
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -82,16 +57,6 @@ class Serve:
                 if b"spawn_main" in cmdline:
                     pids.append(int(child))
         return sorted(pids)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self._log.close()
 
 
 def answers(server: Serve) -> list:
