@@ -24,15 +24,6 @@ TOL = 1e-10
 N, T, R = 48, 56, 32  # prompt, total tokens, resume point (tiny: window 16, top-k 8, pool 4 x 8 entries)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small float64 GEMMs: a second intra-op thread only spins (measured 5-10x the CPU time on 2 busy cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def engine_pass(model, tokens, plan, monkeypatch):
     """The engine's logits and its per-layer (part, layer, first position, streams, pre), captured around
     ``layer_forward`` without changing it."""

@@ -27,15 +27,6 @@ TOL_F64 = 1e-12
 FP32_ROUNDING = 2.0**-24  # unit roundoff of the oracle's fp32 logits
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small float64 ops: a second intra-op thread only spins (5-10x the CPU time on 2 busy cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def oracle_excess(inc: torch.Tensor, ref: torch.Tensor) -> float:
     """How far float64 ``inc`` is from the fp32 oracle ``ref`` beyond ref's own rounding, relative to max |ref|."""
     ref = ref.double()

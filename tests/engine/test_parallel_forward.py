@@ -39,14 +39,6 @@ PROMPT_LENGTHS = (40, 33)  # one prompt per data-parallel replica
 TINY_G4 = {"o_groups": 4}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class Oracle:
     """The unsharded float64 model and its single-process runs, one per prompt (computed when first asked)."""
 
