@@ -66,8 +66,11 @@ def make_model(name: str, device: torch.device, formats: str = "checkpoint"):
 
 
 def routed_experts_chosen(engine: Engine) -> dict[int, int]:
-    """Run one ``engine.step()`` with the MoE routing recorded: distinct experts chosen per MoE module (by id)."""
+    """Run one ``engine.step()`` with the MoE routing recorded: distinct experts chosen per MoE module (by id).
+    The step runs eagerly (the recording reads indices on the host, which a CUDA-graph capture cannot)."""
     chosen: dict[int, set[int]] = defaultdict(set)
+    paged = engine.runner.paged
+    graphs = paged.graphs if paged is not None else None
     originals = {}
     for mod in engine.model.modules():
         if isinstance(mod, MoE):
@@ -80,10 +83,14 @@ def routed_experts_chosen(engine: Engine) -> dict[int, int]:
 
             mod.route = route
     try:
+        if paged is not None:
+            paged.graphs = None
         engine.step()
     finally:
         for mod, real in originals.items():
             mod.route = real
+        if paged is not None:
+            paged.graphs = graphs
     return {k: len(v) for k, v in chosen.items()}
 
 

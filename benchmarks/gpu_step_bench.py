@@ -34,11 +34,11 @@ BLOCK = 64
 HOST_PROFILE = False
 
 
-def run_batch(model, batch: int, prompt: int, steps: int, rate: float) -> dict:
+def run_batch(model, batch: int, prompt: int, steps: int, rate: float, graphs: bool = True) -> dict:
     cfg = model.cfg
     blocks = batch * (-(-(prompt + steps + 8) // BLOCK) + 1) + 8
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", forward="batched", max_num_seqs=batch,
-                        max_num_batched_tokens=4096)
+                        max_num_batched_tokens=4096, cuda_graphs=graphs)
     engine = Engine(model, ecfg, KVStoreConfig(block_size=BLOCK, num_blocks=blocks))
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
@@ -73,7 +73,7 @@ def run_batch(model, batch: int, prompt: int, steps: int, rate: float) -> dict:
     step_ms = sorted(times)[len(times) // 2] * 1e3
     wb, kb = weight_bytes(model, chosen), kv_bytes(cfg, batch, prompt + steps)
     floor_ms = (wb + kb) / rate * 1e3
-    return {"batch": batch, "step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
+    return {"batch": batch, "cuda_graphs": graphs, "step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
             "ratio": round(step_ms / floor_ms, 2), "tokens_per_s": round(batch / step_ms * 1e3, 1),
             "weight_bytes": wb, "kv_bytes": kb, "prefill_s": round(prefill_s, 2),
             "experts_touched_per_layer": round(sum(chosen.values()) / max(len(chosen), 1), 2), "ops_ms": ops}
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--formats", choices=("checkpoint", "bf16"), default="checkpoint",
                     help="weights as the checkpoint stores them (default) or every linear in bf16")
     ap.add_argument("--host-profile", action="store_true", help="print a cProfile of one decode step")
+    ap.add_argument("--graphs", default="on", help="on | off | on,off: decode steps replayed from CUDA graphs")
     args = ap.parse_args()
     global HOST_PROFILE
     HOST_PROFILE = args.host_profile
@@ -99,15 +100,16 @@ def main() -> None:
     print(f"model made in {made_s:.1f} s", flush=True)
     rows = []
     for b in args.batches.split(","):
-        rows.append(run_batch(model, int(b), args.prompt, args.steps, rate))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "ops_ms"}), flush=True)
+        for mode in args.graphs.split(","):
+            rows.append(run_batch(model, int(b), args.prompt, args.steps, rate, mode == "on"))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "ops_ms"}), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "preset": args.preset, "weights": args.formats, "copy_GBps": round(rate / 1e9, 1),
            "model_create_s": round(made_s, 1), "rows": rows}
     print(f"copy {rate / 1e9:.0f} GB/s; model made on the GPU in {made_s:.1f} s")
-    print(f"{'B':>4} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>8}")
+    print(f"{'B':>4} {'graphs':>6} {'step ms':>9} {'floor ms':>9} {'ratio':>6} {'tok/s':>8}")
     for r in rows:
-        print(f"{r['batch']:>4} {r['step_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['ratio']:>6.1f} {r['tokens_per_s']:>8.1f}")
+        print(f"{r['batch']:>4} {str(r['cuda_graphs']):>6} {r['step_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['ratio']:>6.1f} {r['tokens_per_s']:>8.1f}")
         for k, v in list(r["ops_ms"].items())[:8]:
             print(f"      {v:8.3f} ms  {k}")
     if args.json:

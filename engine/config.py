@@ -30,6 +30,9 @@ class EngineConfig:
     # head's estimate that all drafts up to it are accepted stays >= speculative_min_confidence
     speculative_tokens: int = 0
     speculative_min_confidence: float = 0.1
+    # replay the decoder part of plain decode steps from CUDA graphs (batched forward on CUDA only); False is
+    # vLLM's --enforce-eager
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float64"):

@@ -19,6 +19,7 @@ import torch
 
 from flashtier.engine.client import QueueFullError
 from flashtier.engine.config import EngineConfig
+from flashtier.engine.decode_graphs import DecodeGraphs
 from flashtier.engine.engine_stats import spec_fields, tier_stats
 from flashtier.engine.kv_manager import KVManager, SequenceSpec
 from flashtier.engine.model.transformer import Transformer
@@ -99,7 +100,9 @@ class Engine:
             speculative=SpecPolicy(depth, self.config.speculative_min_confidence, self.max_model_len,
                                    cfg.sliding_window) if depth else None,
         )
-        self.runner = ModelRunner(model, PagedRunner(model, self.kvm) if batched else None,
+        self.runner = ModelRunner(model, PagedRunner(
+            model, self.kvm, graphs=self.config.cuda_graphs and dev.type == "cuda" and not depth and DecodeGraphs.supported(model),
+            max_graph_rows=self.config.max_num_seqs) if batched else None,
                                   taps=cfg.dspark_target_layer_ids if depth else ())
         self.postprocessor = Postprocessor(
             self.scheduler, Sampler(eos_token_id=cfg.eos_token_id), eos_token_id=cfg.eos_token_id,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtier.engine.decode_graphs import DecodeGraphs
 from flashtier.engine.kv_manager import KVManager
 from flashtier.engine.model.batch_attention import PagedViews
 from flashtier.engine.model.batch_forward import push_tail
@@ -24,7 +25,8 @@ from flashtier.engine.step_metadata import RowSpan, build_step_rows
 
 
 class PagedRunner:
-    def __init__(self, model: Transformer, kvm: KVManager):
+    def __init__(self, model: Transformer, kvm: KVManager, *, graphs: bool = False, max_graph_rows: int = 64):
+        """``graphs``: replay plain decode steps' decoder part from CUDA graphs (decode_graphs.py)."""
         assert kvm.arena is not None, "the paged runner needs the KV manager's ring arena"
         self.model, self.kvm = model, kvm
         cfg, spec = model.cfg, kvm.spec
@@ -39,6 +41,8 @@ class PagedRunner:
         )
         per_block = kvm.layout.entries_per_block
         self.sources = {src: (r, per_block[i]) for i, (src, r) in enumerate(zip(ids, spec.source_ratios))}
+        self.graphs = (DecodeGraphs(model, self.views, kvm.arena.pad_slot, capture=True, max_rows=max_graph_rows)
+                       if graphs else None)
 
     @staticmethod
     def can_run(batch: SchedulerOutput) -> bool:
@@ -89,6 +93,10 @@ class PagedRunner:
         rows = build_step_rows(spans, self.window, self.ngram, dev)
         plan = plan_rows(batch.decoder, [s.end - s.start for s in spans], taps, dev)
         capture = plan.capture()
-        logits = decode_rows(self.model, rows, self.views, torch.cat(xs), torch.cat(pres), capture=capture,
+        x, pre = torch.cat(xs), torch.cat(pres)
+        if self.graphs is not None and capture is None and plan.logit_rows is None and self.graphs.fits(rows) \
+                and all(w.kind is DecoderKind.DECODE for w in batch.decoder):
+            return self.graphs.run(rows, x, pre), None, plan
+        logits = decode_rows(self.model, rows, self.views, x, pre, capture=capture,
                              logit_rows=plan.logit_rows)
         return logits, plan.hidden(capture), plan

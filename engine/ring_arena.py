@@ -1,13 +1,14 @@
 """Every running sequence's window rings in one device tensor, so a step gathers all rows' windows at once.
 
-    data [L, slots * W, rec] uint8     layer l's rings of every slot, back to back (rec = hd + hd/32: FP8 records)
-    pos  [L, slots * W] int64          position held by each ring row (-1 = empty)
+    data [L, (slots+1) * W, rec] uint8 layer l's rings of every slot, back to back (rec = hd + hd/32: FP8 records)
+    pos  [L, (slots+1) * W] int64      position held by each ring row (-1 = empty)
 
 A sequence's ``WindowRings`` is a view of one slot (``data[:, slot*W : (slot+1)*W]``): the batched forward reads
 layer l of every sequence with one gather from ``data[l]`` and writes its rows back with one index_copy, with no
 per-sequence tensor ops. Slots return to the free list when the view that holds them is garbage collected
 (``weakref.finalize``), so no caller has to release them; a sequence created while every slot is taken gets
-private rings (``acquire`` returns None) and steps holding one run the per-sequence path.
+private rings (``acquire`` returns None) and steps holding one run the per-sequence path. One more slot,
+``pad_slot``, is never handed out: padded rows of a CUDA-graph batch (engine/decode_graphs.py) write there.
 
 Not thread-safe: the engine thread owns it.
 """
@@ -25,8 +26,9 @@ class RingArena:
             raise ValueError(f"a ring arena needs at least one slot, got {slots}")
         self.n_layers, self.window, self.head_dim, self.slots = n_layers, window, head_dim, slots
         self.record_bytes = head_dim + head_dim // 32
-        self.data = torch.zeros(n_layers, slots * window, self.record_bytes, dtype=torch.uint8, device=device)
-        self.pos = torch.full((n_layers, slots * window), -1, dtype=torch.long, device=device)
+        self.pad_slot = slots  # after the slots acquire() hands out
+        self.data = torch.zeros(n_layers, (slots + 1) * window, self.record_bytes, dtype=torch.uint8, device=device)
+        self.pos = torch.full((n_layers, (slots + 1) * window), -1, dtype=torch.long, device=device)
         self._free = list(range(slots - 1, -1, -1))
 
     @property

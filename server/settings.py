@@ -88,6 +88,7 @@ class ServerSettings:
     weights_seed: int = 0
     speculative: int = 0  # drafts verified per step (0: off), --speculative / --speculative-config
     speculative_min_confidence: float = 0.1
+    enforce_eager: bool = False  # no CUDA graphs (vLLM's --enforce-eager)
     tensor_parallel_size: int = 1  # > 1: one rank process each (engine/parallel/executor.py), tiers off
     expert_parallel: bool = False
     response_store_ttl_s: float = 24 * 3600.0  # --response-store-ttl (server/response_store.py)
@@ -165,6 +166,7 @@ class ServerSettings:
             resume_policy=self.resume_policy,
             speculative_tokens=self.speculative,
             speculative_min_confidence=self.speculative_min_confidence,
+            cuda_graphs=not self.enforce_eager,
         )
 
 

@@ -326,6 +326,8 @@ OPTIONS: tuple[Option, ...] = (
            aliases=("--speculative-config",)),
     Option("speculative_min_confidence", "--speculative-min-confidence", _confidence, 0.1, "verify a draft only "
            "while the drafter's confidence that it and every draft before it are accepted stays >= this"),
+    Option("enforce_eager", "--enforce-eager", _parse_bool, False, "run every step eagerly (no CUDA graphs for "
+           "the decoder part of decode steps)", kind="bool"),
     # -- kvstore
     Option("block_size", "--block-size", _block_size, 64, "tokens per KV block (a multiple of 8)"),
     Option("num_blocks", "--num-blocks", _num_blocks, None, "HBM pool size in blocks (overrides "

@@ -40,6 +40,11 @@ class RowSlots:
     opened: dict[int, list[PartialGroup]] = field(default_factory=dict)  # source -> groups opened this step
 
 
+def indexer_impl(index_width: int) -> str:
+    """The Triton indexer is built for the real index width (128); other widths (tiny) take the reference."""
+    return "auto" if index_width == 128 else "reference"
+
+
 def _select(block: Block, rows: StepRows, views: PagedViews, slots: RowSlots, h, qr) -> None:
     role, attn, cfg = block.role, block.attn, block.cfg
     qi, w = attn.indexer.project_q(qr, h, rows.positions)
@@ -47,8 +52,7 @@ def _select(block: Block, rows: StepRows, views: PagedViews, slots: RowSlots, h,
     qi, w = qi.float(), w.float()
     n_vis = torch.div(rows.positions + 1, role.ratio, rounding_mode="floor").to(torch.int32)
     index = views.index[role.kv_source]
-    # the Triton indexer is built for the real index width (128); other widths (tiny) take the reference
-    impl = "auto" if qi.shape[-1] == 128 else "reference"
+    impl = indexer_impl(qi.shape[-1])
     common = dict(k=cfg.index_topk, cand_block=cfg.candidate_block_size, impl=impl)
     if role.role == "full" and role.index == cfg.candidate_source_layer_id:
         sel = indexer_topk_with_candidates(qi, w, index, rows.block_table, n_vis,

@@ -59,10 +59,11 @@ def test_vllm_flags_set_our_settings(tmp_path):
     cfg = s.engine_config()
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.dtype) == (8, 256, 4096, "float32")
     assert build_settings(_ns("--enable-prefix-caching", "-tp", "1"), {}).kvstore.enable_prefix_caching
+    assert cfg.cuda_graphs and not build_settings(_ns("--enforce-eager"), {}).engine_config().cuda_graphs
     assert build_settings(_ns(), {"FLASHTIER_ALLOWED_ORIGINS": '["*"]'}).allowed_origins == ("*",)
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())  # noqa: SLF001
     for flag in ("--gpu-memory-utilization", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "-tp",
-                 "--trust-remote-code", "--max-tokens-default", "--max-tokenize-bytes", "--frontend-workers"):
+                 "--trust-remote-code", "--enforce-eager", "--max-tokens-default", "--max-tokenize-bytes", "--frontend-workers"):
         assert flag in help_text, flag
     assert "prefix reuse: on by default; --no-prefix-caching" in help_text and "turns the HBM prefix cache off" in help_text
 
