@@ -42,9 +42,9 @@ serve: $(STAMP)
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(STAMP) $(SYS_STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not slow and not gpu"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=15 $(XDIST) -m "not slow and not gpu"
 	@# exit code 5 = no test carries the marker yet
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "slow and not gpu" || [ $$? -eq 5 ]
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=15 -m "slow and not gpu" || [ $$? -eq 5 ]
 
 clean:
 	rm -rf $(VENV) build *.egg-info
