@@ -4,7 +4,9 @@
     decoder part: RowSpan per DecoderWork (REPLAY: [replay start, n) from the replay tail; DECODE: n - 1,
                   VERIFY: its chunk [n - rows, n), fed straight from this step's encoder rows)
 
-Mutates what ``ModelRunner`` mutates (tokens, rings, pool entries, partial groups, replay tails). Every
+A plain decode step (every sequence one token through both parts) replays a CUDA graph instead when graphs are
+on (``decode_graphs.py``). Mutates what ``ModelRunner`` mutates (tokens, rings, pool entries, partial groups,
+replay tails). Every
 sequence of the step must hold a ring-arena slot (``can_run``); the engine falls back to the
 per-sequence runner otherwise.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from flashtier.engine.decode_graphs import DecodeGraphs
+from flashtier.engine.decode_step import build_decode_step, install, is_plain_decode
 from flashtier.engine.kv_manager import KVManager
 from flashtier.engine.model.batch_attention import PagedViews
 from flashtier.engine.model.batch_forward import push_tail
@@ -41,8 +44,8 @@ class PagedRunner:
         )
         per_block = kvm.layout.entries_per_block
         self.sources = {src: (r, per_block[i]) for i, (src, r) in enumerate(zip(ids, spec.source_ratios))}
-        self.graphs = (DecodeGraphs(model, self.views, kvm.arena.pad_slot, capture=True, max_rows=max_graph_rows)
-                       if graphs else None)
+        self.graphs = (DecodeGraphs(model, self.views, kvm.arena.pad_slot, self.sources, capture=True,
+                                    max_rows=max_graph_rows) if graphs else None)
 
     @staticmethod
     def can_run(batch: SchedulerOutput) -> bool:
@@ -55,6 +58,8 @@ class PagedRunner:
         """(logits, draft inputs of the decoder rows, the row plan; spec_rows.py), Nones without decoder work.
         ``taps``: the layers whose block inputs are captured (a speculative engine)."""
         dev = self.model.device
+        if self.graphs is not None and not taps and is_plain_decode(batch) and len(batch.decoder) <= self.graphs.max_rows:
+            return self._graph_step(batch)
         enc_x = enc_pre = None
         enc_last: dict[int, int] = {}  # id(kv) -> row of its newest encoder output in this step
         if batch.encoder:
@@ -93,10 +98,14 @@ class PagedRunner:
         rows = build_step_rows(spans, self.window, self.ngram, dev)
         plan = plan_rows(batch.decoder, [s.end - s.start for s in spans], taps, dev)
         capture = plan.capture()
-        x, pre = torch.cat(xs), torch.cat(pres)
-        if self.graphs is not None and capture is None and plan.logit_rows is None and self.graphs.fits(rows) \
-                and all(w.kind is DecoderKind.DECODE for w in batch.decoder):
-            return self.graphs.run(rows, x, pre), None, plan
-        logits = decode_rows(self.model, rows, self.views, x, pre, capture=capture,
+        logits = decode_rows(self.model, rows, self.views, torch.cat(xs), torch.cat(pres), capture=capture,
                              logit_rows=plan.logit_rows)
         return logits, plan.hidden(capture), plan
+
+    def _graph_step(self, batch: SchedulerOutput) -> tuple[torch.Tensor, None, DecoderRowPlan]:
+        """A plain decode step through the CUDA graphs (decode_step.py, decode_graphs.py)."""
+        dev = self.model.device
+        step = build_decode_step(batch, self.window, self.ngram, self.sources, self.model.cfg.head_dim, dev)
+        out = self.graphs.run(step)
+        install(step, out.x, out.pre, out.opened, self.window)
+        return out.logits, None, plan_rows(batch.decoder, [1] * len(batch.decoder), (), dev)

@@ -27,7 +27,9 @@ class RowSpan:
     lo: int
 
 
-def _dev(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
+def pinned_to(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """Host values (ints, a list, a numpy array) as a ``dtype`` tensor on ``device``; on CUDA from pinned memory
+    without waiting for the device."""
     host = torch.as_tensor(np.asarray(values, dtype=np.int64)).to(dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
@@ -68,7 +70,7 @@ def _entry_writes(spans: Sequence[RowSpan], firsts: list[int], src: int, ratio: 
             new_pos.append(span.end - 1)
             new_seqs.append(b)
         counts.append(count)
-    t = lambda v: _dev(v, device)  # noqa: E731
+    t = lambda v: pinned_to(v, device)  # noqa: E731
     return EntryWrites(t(rows), t(partner), t(pidx), t(epos), t(blk), t(off), tuple(partials), t(new_rows),
                        tuple(new_pos), tuple(new_seqs), tuple(consumed), tuple(counts))
 
@@ -108,8 +110,8 @@ def build_step_rows(
             src_rows.append(first + p - s.start)
             dst_rows.append(sl * w + p % w)
 
-    pos, row_seq = _dev(pos_h, device), _dev(seq_h, device)
-    start, first, base, lo = (_dev(v, device) for v in (start_h, first_h, base_h, lo_h))
+    pos, row_seq = pinned_to(pos_h, device), pinned_to(seq_h, device)
+    start, first, base, lo = (pinned_to(v, device) for v in (start_h, first_h, base_h, lo_h))
     col = pos[:, None] - (w - 1) + torch.arange(w, device=device)[None, :]  # position of column j
     from_step = col >= start[:, None]
     step_row = (first[:, None] + col - start[:, None]).clamp(0, max(len(pos_h) - 1, 0))
@@ -120,10 +122,10 @@ def build_step_rows(
     }
     grams = _ngram_tokens(spans, ngram)
     return StepRows(
-        positions=pos, row_seq=row_seq, last_rows=_dev(np.cumsum(lengths) - 1, device),
-        block_table=_dev(tables, device, torch.int32)[row_seq],
+        positions=pos, row_seq=row_seq, last_rows=pinned_to(np.cumsum(lengths) - 1, device),
+        block_table=pinned_to(tables, device, torch.int32)[row_seq],
         win_ring_row=base[:, None] + torch.remainder(col, w), win_step_row=step_row, win_from_step=from_step,
         win_start=w - count, win_count=count,
-        ring_src_rows=_dev(src_rows, device), ring_dst_rows=_dev(dst_rows, device),
-        ngram_tokens=_dev(grams, device), writes=writes, ngram_tokens_host=torch.from_numpy(grams),
+        ring_src_rows=pinned_to(src_rows, device), ring_dst_rows=pinned_to(dst_rows, device),
+        ngram_tokens=pinned_to(grams, device), writes=writes, ngram_tokens_host=torch.from_numpy(grams),
     )

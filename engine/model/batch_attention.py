@@ -15,6 +15,7 @@ import torch
 from flashtier.engine.model.batch_entries import write_entries
 from flashtier.engine.model.block import Block
 from flashtier.engine.model.compressor import PartialGroup
+from flashtier.engine.model.dense_entries import DenseWrites, write_dense
 from flashtier.engine.model.step_rows import StepRows
 from flashtier.kernels.indexer_topk import indexer_topk, indexer_topk_with_candidates
 from flashtier.kernels.quant_fp8 import pack_fp8_record, quantize_fp8
@@ -38,6 +39,8 @@ class RowSlots:
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> (idx, counts)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None  # layer 20's (blocks, counts)
     opened: dict[int, list[PartialGroup]] = field(default_factory=dict)  # source -> groups opened this step
+    # DenseWrites parts: source -> (kv, z) [T, hd] of every row (the caller opens the groups of even positions)
+    opened_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def indexer_impl(index_width: int) -> str:
@@ -83,7 +86,11 @@ def attend_rows(
     pool = views.main[next(iter(views.main))]
     if role.ratio > 0:
         if encoder and role.role == "full" and layer in rows.writes:
-            slots.opened[layer] = write_entries(block, h, rows.writes[layer], views.main[layer], views.index[layer])
+            w = rows.writes[layer]
+            if isinstance(w, DenseWrites):
+                slots.opened_rows[layer] = write_dense(block, h, w, views.main[layer], views.index[layer])
+            else:
+                slots.opened[layer] = write_entries(block, h, w, views.main[layer], views.index[layer])
         if role.role in ("full", "reindex"):
             _select(block, rows, views, slots, h, qr)
         sel_idx, counts = slots.topk[role.index_source]

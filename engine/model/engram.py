@@ -96,13 +96,21 @@ class Engram(nn.Module):
         # brings the step's rows to the device; a plain attribute, so .to() and state_dict() never see it
         self.host = None
 
+    def _constants(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(primes, offsets) on ``dev``, made once per device: a copy from a Python list waits for the device and
+        cannot be captured in a CUDA graph."""
+        cached = self.__dict__.setdefault("_consts", {})
+        if dev not in cached:
+            cached[dev] = (torch.tensor(self.primes, dtype=torch.long, device=dev),
+                           torch.tensor(self.offsets, dtype=torch.long, device=dev))
+        return cached[dev]
+
     def rows(self, ngram_ids: torch.Tensor) -> torch.Tensor:
         """Table rows [T, n_hashes] from compressed ids ngram_ids [T, N] (column s = token at pos - s)."""
         dev = ngram_ids.device
         m = self.multipliers
         heads = self.cfg.engram_n_heads
-        primes = torch.tensor(self.primes, dtype=torch.long, device=dev)
-        offsets = torch.tensor(self.offsets, dtype=torch.long, device=dev)
+        primes, offsets = self._constants(dev)
         r = ngram_ids[:, 0] * m[0]
         hashes = []
         for n in range(2, self.cfg.engram_max_ngram_size + 1):

@@ -105,6 +105,9 @@ class HostEngramTables:
         self._pending: tuple[torch.Tensor, dict[int, EngramCopy]] | None = None
         self._map: tuple[torch.Tensor, torch.Tensor] | None = None  # (model's token map, its host copy)
         self.prefetched = self.on_demand = 0  # how the rows reached the Engram layers (tests, metrics)
+        # layer -> device rows [T, H, hd] that take() returns as they are: set by a CUDA-graph runner around its
+        # warm-up and capture (engine/decode_graphs.py fills them before each replay); None otherwise
+        self.feed: dict[int, torch.Tensor] | None = None
         self.reserve(max_tokens)
 
     def __deepcopy__(self, memo):
@@ -223,7 +226,9 @@ class HostEngramTables:
     def take(self, layer: int, ngram_ids: torch.Tensor, hash_rows) -> torch.Tensor:
         """The rows of ``layer`` for ``ngram_ids [T, N]``: the prefetched copy when ``ngram_ids`` is the prefetch's
         key, else gathered now from ``hash_rows(ids on the host)`` (a host sync when ``ngram_ids`` is on the
-        device)."""
+        device). With ``feed`` set, returns ``feed[layer]`` (no copy, no wait)."""
+        if self.feed is not None:
+            return self.feed[layer]
         if self._pending is not None and self._pending[0] is ngram_ids and layer in self._pending[1]:
             handle = self._pending[1].pop(layer)
             if not self._pending[1]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtier.engine.model.compressor import PartialGroup
+from flashtier.engine.model.dense_entries import DenseWrites
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class StepRows:
     ring_src_rows: torch.Tensor  # [R] int64 rows stored into the rings after each layer (newest W per sequence)
     ring_dst_rows: torch.Tensor  # [R] int64 their arena rows
     ngram_tokens: torch.Tensor  # [T, n] int64 token ids at pos, pos-1, ..., pos-n+1 (-1 before position 0)
-    writes: dict[int, EntryWrites]  # KV source layer -> entries this part writes (encoder part only)
+    # KV source layer -> entries this part writes (encoder part only); DenseWrites: a CUDA-graph decode step's
+    writes: dict[int, EntryWrites] | dict[int, DenseWrites]
     ngram_tokens_host: torch.Tensor | None = None  # ngram_tokens on the host: the Engram prefetch reads it
 
     @property

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (engine/decode_graphs.py) against the eager batched forward on CUDA (``-m gpu``).
+"""CUDA-graph decode steps (engine/decode_graphs.py) against the eager batched forward on CUDA (``-m gpu``).
 
 Two engines on the same tiny model on the GPU run the same requests (prompts of 3..40 tokens, 5 sequences
 finishing at different steps, so decode batches of 5 and 3 replay from the 8- and 4-row graphs with pad
@@ -6,7 +6,8 @@ rows): one with ``cuda_graphs=False``, one with graphs. The model is tiny with t
 the Triton indexer runs (the reference indexer checks addresses on the host and cannot be captured). Tokens must be identical; logits must agree to
 ``TOL`` (measured: see the test's printout; the graph pads every op to the bucket's row count, so the bits
 are equal exactly when every kernel is invariant to the row count — the promise of kernels/README.md).
-The graph engine must actually have replayed (captures > 0, runs > 0).
+The graph engine must actually have replayed (captures > 0, runs > 0). Both Engram placements: tables on the
+device (captured gathers) and in pinned host memory (rows gathered on the host and fed before each replay).
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ import torch
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.config import preset
+from flashtier.engine.model.engram_offload import tables_to_host_
 from flashtier.engine.model.init import random_model
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
@@ -59,10 +61,29 @@ def _run(engine, logits):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_decode_matches_eager(dtype):
+def _model(formats):
+    """tiny at the real index width; "float32": float weights; "checkpoint": bf16 with FP8 linears, MXFP4 routed
+    experts and an FP8 shared expert (the kernels a real checkpoint runs)."""
     cfg = dataclasses.replace(preset("tiny"), index_head_dim=128)
-    model = random_model(cfg, seed=3, dtype=torch.float32).cuda()
+    if formats == "float32":
+        return random_model(cfg, seed=3, dtype=torch.float32).cuda()
+    from flashtier.engine.model.init import random_model_on_device
+    from flashtier.engine.model.moe_convert import convert_experts_
+    from flashtier.engine.model.placement import quantize_linears_
+
+    model = random_model_on_device(cfg, "cuda", dtype=torch.bfloat16, with_dspark=False)
+    quantize_linears_(model, "cuda")
+    convert_experts_(model, "cuda")
+    return model
+
+
+@pytest.mark.parametrize("engram", ["device", "host"])
+@pytest.mark.parametrize("formats", ["float32", "checkpoint"])
+def test_graph_decode_matches_eager(formats, engram):
+    model = _model(formats)
+    dtype = "float32" if formats == "float32" else "bfloat16"
+    if engram == "host":
+        tables_to_host_(model, "cuda")
     eager_l, graph_l = [], []
     eager, graphed = _engine(model, dtype, False), _engine(model, dtype, True)
     want, got = _run(eager, eager_l), _run(graphed, graph_l)
@@ -74,7 +95,7 @@ def test_graph_decode_matches_eager(dtype):
         if a is not None:
             worst = max(worst, float((a - b).abs().max() / a.abs().max()))
             exact += int(torch.equal(a, b))
-    print(f"{dtype}: graph vs eager logits worst {worst:.3g}, {exact}/{sum(x is not None for x in eager_l)} "
+    print(f"{formats}, Engram on {engram}: graph vs eager logits worst {worst:.3g}, {exact}/{sum(x is not None for x in eager_l)} "
           f"steps bit-identical; {g.captures} graphs, {g.runs} replays")
     assert worst <= TOL
     assert got == want

@@ -1,0 +1,60 @@
+"""Entry writes of a decode part in a fixed shape: every row computes one entry, whatever it completes.
+
+``batch_entries.write_entries`` gathers exactly the entries a step completes (``EntryWrites``, sized on the
+host), which a CUDA graph cannot replay. In a plain decode step each sequence adds one token, so each row
+either completes an entry or (ratio 2, an even position) opens a group; ``DenseWrites`` gives every row an
+entry slot: a completing row its real (block, offset), any other row (and every pad row) the null block's
+first slot, which no sequence reads. The row's waiting first token (ratio 2: the group its sequence opened in
+an earlier step) comes as a tensor row instead of a ``PartialGroup``; the kv and gate rows of every row are
+returned, so the caller turns those of even positions into the sequences' new groups after the step.
+
+Same ops in the same order as ``write_entries`` (``project_pairs`` / ``pool_pairs`` / ``project_single``,
+RoPE, the FP4 / MXFP4 records), only over all rows: the entries are identical when the ops are invariant to
+the row count (engine/decode_graphs.py's tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashtier.engine.model.block import Block
+from flashtier.kernels.quant_fp4 import pack_fp4_record, quantize_fp4
+from flashtier.kernels.quant_mxfp4 import pack_mxfp4_record, quantize_mxfp4
+
+
+@dataclass(frozen=True)
+class DenseWrites:
+    """One KV source's entry slot per row of a decode part (module docstring). Every tensor has T rows."""
+
+    block: torch.Tensor  # [T] int64 pool block of the entry the row completes (0: the null block)
+    offset: torch.Tensor  # [T] int64 entry slot in the block (0 where block is 0)
+    entry_pos: torch.Tensor  # [T] int64 entry index * ratio (its RoPE position)
+    waiting_kv: torch.Tensor | None  # [T, hd] fp32 ratio 2: the first token's kv (zeros where none); else None
+    waiting_z: torch.Tensor | None  # [T, hd] fp32 its gate scores
+
+
+def write_dense(block: Block, h: torch.Tensor, w: DenseWrites, main: torch.Tensor, index: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Compute every row's entry from the attention input h [T, D] and store it at (w.block, w.offset).
+
+    Mutates ``main`` [N, E, 288] and ``index`` [N, E, 68] at those slots (the null block's first slot for rows
+    completing nothing). Returns ratio 2's (kv, z) [T, hd] of every row (the groups the caller may open), None
+    for ratio 1.
+    """
+    comp, attn = block.attn.compressor, block.attn
+    opened = None
+    if comp.ratio == 1:
+        latent = comp.project_single(h)
+    else:
+        kv, z = comp.project_pairs(h)
+        pairs_kv = torch.stack((w.waiting_kv.to(kv.dtype), kv), dim=1)
+        pairs_z = torch.stack((w.waiting_z.to(z.dtype), z), dim=1)
+        latent = comp.pool_pairs(pairs_kv, pairs_z)
+        opened = (kv, z)
+    main_raw = attn.rope.apply(latent, w.entry_pos)
+    index_raw = attn.indexer.project_k_raw(latent, w.entry_pos)
+    main[w.block, w.offset] = pack_fp4_record(*quantize_fp4(main_raw.float()))
+    index[w.block, w.offset] = pack_mxfp4_record(*quantize_mxfp4(index_raw.float()))
+    return opened
