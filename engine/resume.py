@@ -10,7 +10,9 @@ for more. The lookup yields SSD images of the blocks after those hits and the be
     cold     r < window: every block released, prefill from 0
 
 ``plan_resume`` is pure arithmetic; ``install_resume`` mutates the sequence and the pool and reports
-what it did as a ``ResumeResult`` (the scheduler does the request's accounting and state change).
+what it did as a ``ResumeResult`` (the scheduler does the request's accounting and state change). The
+SSD images arrive as a ``RestoredRun`` (slots of the tiers' restore buffer): the install copies the run
+to the pool in one transfer and gives the buffer back (restored_run.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from flashtier.engine.kv_manager import KVManager
 from flashtier.engine.request import Sequence
+from flashtier.engine.restored_run import RestoredRun
 from flashtier.engine.snapshot_codec import decode_snapshot
 from flashtier.engine.tiers import SnapshotOutcome, TierLookup
 from flashtier.kvstore.block_hash import BlockHash
@@ -41,7 +44,7 @@ class ResumePlan:
 
     block_size: int
     hbm_blocks: int  # pinned HBM hits, the leading blocks of the table
-    ssd_images: tuple[bytes, ...]  # images of blocks hbm_blocks.. to load (trimmed to the snapshot)
+    ssd_images: RestoredRun  # images of blocks hbm_blocks.. to load (trimmed to the snapshot)
     point: int | None  # snapshot point P
     payload: bytes | None
     outcome: SnapshotOutcome
@@ -62,9 +65,10 @@ class ResumePlan:
 
 
 def plan_resume(lookup: TierLookup, hbm_blocks: int, block_size: int) -> ResumePlan:
+    """The install ``lookup`` calls for (no I/O; the plan's run shares the lookup's restore lease)."""
     images = lookup.ssd_images
     if lookup.snapshot_point is not None:
-        images = images[: max(0, lookup.snapshot_point // block_size - hbm_blocks)]
+        images = images.prefix(lookup.snapshot_point // block_size - hbm_blocks)
     return ResumePlan(block_size, hbm_blocks, images, lookup.snapshot_point, lookup.snapshot_payload,
                       lookup.outcome)
 
@@ -89,15 +93,15 @@ def install_resume(
     ``hashes[fork_block:]`` lie on a replayed fork (the lookup followed it; the state resumed is then
     approximate: a replayed snapshot, or a bounded replay over those blocks).
 
-    Mutates: the pool (loads, registrations, releases), ``seq.kv`` and ``seq.hashes``. For REPLAY the
-    caller still rewinds the sequence (``PagedSequence.rewind``). Failure: a snapshot that does not
-    validate is logged and the sequence falls back to replay / cold (``snapshot_invalid``).
+    Mutates: the pool (loads, registrations, releases), ``seq.kv`` and ``seq.hashes``; gives the plan's
+    restore lease back. For REPLAY the caller still rewinds the sequence (``PagedSequence.rewind``).
+    Failure: a snapshot that does not validate is logged and the sequence falls back to replay / cold
+    (``snapshot_invalid``); a run whose images are not this pool's block size raises ValueError.
     """
     bs, spec = kvm.block_size, kvm.spec
     hbm_ids = list(seq.kv.table.ids)
     loaded = [blk.block_id for blk in fresh[: len(plan.ssd_images)]]
-    for j, (block_id, image) in enumerate(zip(loaded, plan.ssd_images)):
-        kvm.load_block(block_id, image, hashes[plan.hbm_blocks + j])
+    load_run(kvm, plan.ssd_images, loaded, hashes[plan.hbm_blocks : plan.hbm_blocks + len(loaded)])
     if plan.point is None:
         return _replay_or_cold(kvm, seq, hashes, hbm_ids + loaded, plan, invalid=False, allow_replay=allow_replay,
                                fork_block=fork_block)
@@ -122,6 +126,17 @@ def install_resume(
     seq.take_hashes(hashes, b, fork_block)
     return ResumeResult(ResumeKind.EXACT, plan.point, len(keep) * bs, len(loaded) * bs, plan.point - b * bs,
                         len(loaded), snapshot_invalid=False)
+
+
+def load_run(kvm: KVManager, run: RestoredRun, block_ids: list[int], hashes: list[BlockHash]) -> None:
+    """Fill fresh blocks ``block_ids`` with ``run``'s images in one copy and register their ``hashes``.
+    Mutates the pool's bytes and prefix index; gives the run's lease back. ValueError (nothing loaded,
+    the lease kept) when ``block_ids`` and the run differ in length or its images are not block images."""
+    if len(run) and run.slot_bytes != kvm.layout.block_bytes:
+        raise ValueError(f"block image has {run.slot_bytes} bytes, expected {kvm.layout.block_bytes}")
+    run.install(kvm.kv.data, block_ids)
+    for block_id, block_hash in zip(block_ids, hashes):
+        kvm.pool.cache_full_block(kvm.pool.blocks[block_id], block_hash)
 
 
 def _replay_or_cold(

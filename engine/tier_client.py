@@ -28,9 +28,11 @@ class TierClient:
         self.allow_replay = allow_replay
 
     def start_lookup(self, req: Request) -> concurrent.futures.Future[TierLookup]:
-        """Ask the tiers for SSD blocks after the request's ``hbm_blocks`` HBM hits and a snapshot."""
+        """Ask the tiers for SSD blocks after the request's ``hbm_blocks`` HBM hits and a snapshot (read
+        into the tiers' restore buffer, pinned when the pool is on CUDA)."""
         q = LookupQuery(req.namespace, req.prompt, req.hashes, req.hbm_blocks, self.kvm.block_size,
-                        replayed_namespace(req.namespace) if self.allow_replay else None, req.fork_block)
+                        replayed_namespace(req.namespace) if self.allow_replay else None, req.fork_block,
+                        block_bytes=self.kvm.layout.block_bytes, pin_memory=self.kvm.spec.device.type == "cuda")
         return self.tiers.lookup(q)
 
     def write_through(self, req: Request, blocks: list[CachedBlock]) -> None:

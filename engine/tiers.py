@@ -4,8 +4,10 @@
     write_block(hash, image) ---------->  SSDWriter (batched appends + fsync, its own thread)
     put_snapshot(key, payload) ------->   snapshot pool .put (Redis with a bounded timeout / embedded)
     lookup(query) -> Future ---------->   SSD index probe, snapshot directory + get, SSD block reads
+                                          into the RestoreBuffer (engine/restore_buffer.py)
 The engine never waits: a request whose lookup is pending sits in LOADING and the step goes on. Any
-tier failure is a miss (counted), never an error for the request.
+tier failure is a miss (counted), never an error for the request. SSD blocks come back as a
+``RestoredRun`` (slots of a held restore buffer), installed into the pool in one copy (resume.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flashtier.engine.restore_buffer import RESTORE_MAX_BYTES, RestoreBuffer
+from flashtier.engine.restored_run import RestoredRun
 from flashtier.engine.snapshot_search import SnapshotQuery, find_snapshot
 from flashtier.kvstore.block_hash import BlockHash, fork_chain
 from flashtier.kvstore.config import KVStoreConfig
@@ -38,6 +42,8 @@ class LookupQuery:
     block_size: int
     replayed_namespace: BlockHash | None = None  # also resume replayed states (resume policy "replay")
     fork_block: int | None = None  # hashes[fork_block:] already follow a replayed fork (found in HBM)
+    block_bytes: int = 0  # one block image (the restore buffer's slot); needed with an SSD tier
+    pin_memory: bool = False  # the pool is on CUDA: restore through pinned host memory
 
 
 @dataclass(frozen=True)
@@ -59,13 +65,21 @@ class SnapshotOutcome(enum.Enum):
 
 @dataclass(frozen=True)
 class TierLookup:
-    """A finished resume lookup: SSD block images after the HBM hits, and the best snapshot."""
+    """A finished resume lookup: SSD block images after the HBM hits, and the best snapshot.
 
-    ssd_images: tuple[bytes, ...]  # images of blocks hbm_blocks .. hbm_blocks + len - 1, read from SSD
+    ``ssd_images`` holds a slot of the tier's restore buffer until the engine installs it (or the lookup
+    is dropped and collected); a tuple of bytes (a hand-built lookup) is copied into a run of its own.
+    """
+
+    ssd_images: RestoredRun  # images of blocks hbm_blocks .. hbm_blocks + len - 1, read from SSD
     snapshot_point: int | None = None  # P of the snapshot found (None: no usable snapshot)
     snapshot_payload: bytes | None = None
     outcome: SnapshotOutcome = SnapshotOutcome.MISS
     fork: ForkedChain | None = None  # set when the blocks after the HBM hits follow a replayed fork
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ssd_images, RestoredRun):
+            object.__setattr__(self, "ssd_images", RestoredRun.from_images(tuple(self.ssd_images)))
 
 
 @dataclass
@@ -85,8 +99,11 @@ class TierStats:
 class TierManager:
     """SSD store + writer, snapshot pool and the I/O loop; one per engine."""
 
-    def __init__(self, config: KVStoreConfig, *, ssd_clock=None):
+    def __init__(self, config: KVStoreConfig, *, ssd_clock=None, restore_max_bytes: int = RESTORE_MAX_BYTES):
+        """``restore_max_bytes``: the largest kept restore buffer (a longer restore reads into a one-off one)."""
         self.config = config
+        self.restore_max_bytes = restore_max_bytes
+        self.restore: RestoreBuffer | None = None  # made by the first lookup that may read SSD blocks
         self.stats = TierStats()
         self.ssd = None
         self.writer = None
@@ -141,16 +158,34 @@ class TierManager:
 
     # ---- lookups ----------------------------------------------------------------------------------
     def lookup(self, query: LookupQuery) -> concurrent.futures.Future[TierLookup]:
-        """Start a resume lookup; the future yields a ``TierLookup`` (never raises)."""
+        """Start a resume lookup; the future yields a ``TierLookup`` (never raises). Engine thread only.
+
+        Mutates: the counters; the first call with an SSD tier makes ``restore`` (slots of
+        ``query.block_bytes``, pinned per ``query.pin_memory``). Failure: ValueError naming
+        ``block_bytes`` / ``pin_memory`` when they do not fit that buffer (a programming error).
+        """
+        if self.ssd is not None:
+            self._restore_for(query)
         self.stats.lookups += 1
         return self._submit(self._lookup(query))
+
+    def _restore_for(self, q: LookupQuery) -> RestoreBuffer:
+        if self.restore is None:
+            if q.block_bytes < 1:
+                raise ValueError(f"block_bytes must be >= 1 with an SSD tier, got {q.block_bytes}")
+            self.restore = RestoreBuffer(q.block_bytes, max_bytes=self.restore_max_bytes, pinned=q.pin_memory)
+        elif q.block_bytes != self.restore.slot_bytes:
+            raise ValueError(f"block_bytes {q.block_bytes} differs from the restore buffer's {self.restore.slot_bytes}")
+        elif q.pin_memory != self.restore.pinned:
+            raise ValueError(f"pin_memory {q.pin_memory} differs from the restore buffer's {self.restore.pinned}")
+        return self.restore
 
     async def _lookup(self, q: LookupQuery) -> TierLookup:
         try:
             return await self._lookup_inner(q)
         except Exception:  # noqa: BLE001 - any tier failure is a miss
             log.exception("tier lookup failed; treating it as a miss")
-            return TierLookup((), outcome=SnapshotOutcome.ERROR)
+            return TierLookup(RestoredRun.empty(), outcome=SnapshotOutcome.ERROR)
 
     async def _lookup_inner(self, q: LookupQuery) -> TierLookup:
         bs, n = q.block_size, len(q.prompt)
@@ -171,16 +206,31 @@ class TierManager:
         result = (SnapshotOutcome.HIT if point is not None else SnapshotOutcome.ERROR if found.failed else
                   SnapshotOutcome.MISS if found.listed else SnapshotOutcome.NONE)
         need = available if point is None else point // bs
-        images: list[bytes] = []
+        run = RestoredRun.empty()
         if self.ssd is not None and need > q.hbm_blocks:
-            got = await self._loop.run_in_executor(None, self.ssd.get_many, hashes[q.hbm_blocks : need])
-            for image in got:
-                if image is None:
-                    break
-                images.append(image)
-            if len(images) < need - q.hbm_blocks and point is not None:
+            run = await self._loop.run_in_executor(None, self._read_run, hashes[q.hbm_blocks : need])
+            if len(run) < need - q.hbm_blocks and point is not None:
                 point, payload, result = None, None, SnapshotOutcome.MISS  # a block under it vanished
-        return TierLookup(tuple(images), point, payload, result, fork)
+        return TierLookup(run, point, payload, result, fork)
+
+    def _read_run(self, keys: list[BlockHash]) -> RestoredRun:
+        """Read ``keys``' blocks into a lease of the restore buffer (a worker thread of the I/O loop): the
+        run is the leading slots read verified, up to the first miss (absent, damaged or unreadable).
+        Mutates the lease's slots and the SSD counters. Failure: a read error raised by the store
+        propagates (a miss for the caller) with the lease given back."""
+        restore = self.restore
+        assert restore is not None and self.ssd is not None
+        lease = restore.acquire(len(keys))
+        try:
+            ok = self.ssd.get_many_into(keys, lease.writable(), restore.slot_bytes)
+        except BaseException:
+            lease.release()
+            raise
+        good = next((i for i, hit in enumerate(ok) if not hit), len(ok))
+        if not good:
+            lease.release()
+            return RestoredRun.empty()
+        return RestoredRun(lease, good)
 
     def _on_ssd(self, hashes: list[BlockHash], start: int) -> int:
         """How far the run of ``hashes`` from ``start`` is in the SSD index (``start`` without an SSD tier)."""
