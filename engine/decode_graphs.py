@@ -34,6 +34,7 @@ from flashtier.engine.model.batch_attention import PagedViews, indexer_impl
 from flashtier.engine.model.dense_entries import DenseWrites, write_dense
 from flashtier.engine.model.engram_offload import prefetch_engram
 from flashtier.engine.model.mhc import identity_pre
+from flashtier.engine.model.moe import MoE
 from flashtier.engine.model.paged_forward import decode_rows, run_layers
 from flashtier.engine.model.step_rows import StepRows
 from flashtier.engine.model.transformer import Transformer
@@ -103,9 +104,11 @@ class DecodeGraphs:
 
     @staticmethod
     def supported(model: Transformer) -> bool:
-        """Whether the model's step can be captured: not with the reference indexer (index widths other than
-        128, e.g. tiny), which checks its addresses on the host."""
-        return indexer_impl(model.cfg.index_head_dim) != "reference"
+        """Whether the model's step can be captured: its experts in the grouped kernels' formats (the float
+        experts' reference loop groups tokens by expert on the host) and the Triton indexer (the reference, at
+        index widths other than 128 such as tiny's, checks its addresses on the host)."""
+        moes = [b.ffn for b in model.layers if isinstance(b.ffn, MoE)]
+        return indexer_impl(model.cfg.index_head_dim) != "reference" and all(m.converted for m in moes)
 
     @property
     def max_rows(self) -> int:

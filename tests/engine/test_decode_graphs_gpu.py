@@ -2,12 +2,15 @@
 
 Two engines on the same tiny model on the GPU run the same requests (prompts of 3..40 tokens, 5 sequences
 finishing at different steps, so decode batches of 5 and 3 replay from the 8- and 4-row graphs with pad
-rows): one with ``cuda_graphs=False``, one with graphs. The model is tiny with the real index width (128), so
-the Triton indexer runs (the reference indexer checks addresses on the host and cannot be captured). Tokens must be identical; logits must agree to
-``TOL`` (measured: see the test's printout; the graph pads every op to the bucket's row count, so the bits
-are equal exactly when every kernel is invariant to the row count — the promise of kernels/README.md).
-The graph engine must actually have replayed (captures > 0, runs > 0). Both Engram placements: tables on the
-device (captured gathers) and in pinned host memory (rows gathered on the host and fed before each replay).
+rows): one with ``cuda_graphs=False``, one with graphs. The model is in the checkpoint formats (FP8 linears,
+MXFP4 routed experts: the kernels a real checkpoint runs) at the real index width (128), so the Triton indexer
+runs (the reference indexer checks addresses on the host and cannot be captured, nor can the float experts'
+loop: such models run eagerly). Tokens must be identical and logits bit-identical: the graph pads every op
+to the bucket's row count, so this holds exactly when every kernel is invariant to the row count (the
+batch-invariance promise, over the whole step: a sequence decoded in a batch of 5 padded to 8 gets the bits
+it gets unpadded). The graph engine must have replayed (captures > 0, runs > 0). Both Engram placements:
+tables on the device (captured gathers) and in pinned host memory (rows gathered on the host and fed before
+each replay).
 """
 
 import dataclasses
@@ -31,7 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton"),
 ]
-TOL = 1e-5
+TOL = 0.0  # bit-identical: measured 14 of 14 steps on the H200, both Engram placements
 LENGTHS = [3, 17, 40, 1, 33]
 
 
@@ -78,8 +81,8 @@ def _model(formats):
 
 
 @pytest.mark.parametrize("engram", ["device", "host"])
-@pytest.mark.parametrize("formats", ["float32", "checkpoint"])
-def test_graph_decode_matches_eager(formats, engram):
+def test_graph_decode_matches_eager(engram):
+    formats = "checkpoint"
     model = _model(formats)
     dtype = "float32" if formats == "float32" else "bfloat16"
     if engram == "host":
@@ -99,3 +102,9 @@ def test_graph_decode_matches_eager(formats, engram):
           f"steps bit-identical; {g.captures} graphs, {g.runs} replays")
     assert worst <= TOL
     assert got == want
+
+
+def test_float_experts_are_not_captured():
+    model = _model("float32")
+    engine = _engine(model, "float32", True)
+    assert engine.runner.paged.graphs is None  # the float experts' reference loop reads routing on the host
