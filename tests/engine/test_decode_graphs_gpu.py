@@ -13,7 +13,6 @@ tables on the device (captured gathers) and in pinned host memory (rows gathered
 each replay).
 """
 
-import dataclasses
 import os
 
 import pytest
@@ -21,13 +20,12 @@ import torch
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.model.config import preset
 from flashtier.engine.model.engram_offload import tables_to_host_
-from flashtier.engine.model.init import random_model
 from flashtier.engine.sampling_params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
+from .gpu_models import tiny_on_cuda
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,26 +62,10 @@ def _run(engine, logits):
     return out
 
 
-def _model(formats):
-    """tiny at the real index width; "float32": float weights; "checkpoint": bf16 with FP8 linears, MXFP4 routed
-    experts and an FP8 shared expert (the kernels a real checkpoint runs)."""
-    cfg = dataclasses.replace(preset("tiny"), index_head_dim=128)
-    if formats == "float32":
-        return random_model(cfg, seed=3, dtype=torch.float32).cuda()
-    from flashtier.engine.model.init import random_model_on_device
-    from flashtier.engine.model.moe_convert import convert_experts_
-    from flashtier.engine.model.placement import quantize_linears_
-
-    model = random_model_on_device(cfg, "cuda", dtype=torch.bfloat16, with_dspark=False)
-    quantize_linears_(model, "cuda")
-    convert_experts_(model, "cuda")
-    return model
-
-
 @pytest.mark.parametrize("engram", ["device", "host"])
 def test_graph_decode_matches_eager(engram):
     formats = "checkpoint"
-    model = _model(formats)
+    model = tiny_on_cuda(formats)
     dtype = "float32" if formats == "float32" else "bfloat16"
     if engram == "host":
         tables_to_host_(model, "cuda")
@@ -105,6 +87,6 @@ def test_graph_decode_matches_eager(engram):
 
 
 def test_float_experts_are_not_captured():
-    model = _model("float32")
+    model = tiny_on_cuda("float32")
     engine = _engine(model, "float32", True)
     assert engine.runner.paged.graphs is None  # the float experts' reference loop reads routing on the host

@@ -41,7 +41,7 @@ def test_install_from_pinned_memory_is_asynchronous_and_exact(pattern):
     assert run.lease.pinned
     data = torch.zeros(2 * N + 8, SLOT, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream()
-    del torch.empty(N, SLOT, dtype=torch.uint8, device="cuda")  # the staging block cached: no cudaMalloc below
+    torch.empty(N, SLOT, dtype=torch.uint8, device="cuda")  # freed at once, kept cached: no cudaMalloc below
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     t0 = time.perf_counter()
