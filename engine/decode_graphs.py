@@ -16,7 +16,8 @@ so they touch no sequence's state. Every static metadata row is rewritten before
 real in a bigger batch becomes a pad row again); the pad rows' Engram feed keeps finite stale values, which only
 their own outputs read.
 
-Graphs share one memory pool (they never run at once). Without CUDA (``capture=False``) the same padded static
+Graphs share one memory pool (they never run at once); at most ``MAX_GRAPHS`` buckets are kept, the least
+recently used one dropped beyond that (a long-running server meets many table widths). Without CUDA (``capture=False``) the same padded static
 program runs eagerly: the CPU tests check the padding against the eager step that way.
 
 Not thread-safe: the engine thread owns it. Mutates: its static buffers, the arena rings and pool entries of
@@ -25,6 +26,7 @@ the step's sequences, the pad slot and the null block. Failure: a capture error 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -41,6 +43,7 @@ from flashtier.engine.model.transformer import Transformer
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_TABLE = 16  # smallest block-table bucket (blocks)
+MAX_GRAPHS = 32  # buckets kept (each holds its static inputs and its graph's outputs: ~40 MB at 64 rows)
 _ROW_FIELDS = ("positions", "row_seq", "last_rows", "block_table", "win_ring_row", "win_step_row",
                "win_from_step", "win_start", "win_count", "ring_src_rows", "ring_dst_rows", "ngram_tokens")
 _WRITE_FIELDS = ("block", "offset", "entry_pos", "waiting_kv", "waiting_z")
@@ -97,7 +100,7 @@ class DecodeGraphs:
         cfg = model.cfg
         self.window, self.enc_layers = cfg.sliding_window, range(cfg.n_encoder_layers)
         self.host = next((b.engram.host for b in model.layers if b.engram is not None and b.engram.host), None)
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()  # least recently used first
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.runs = 0  # steps that took this path (replays, or padded eager runs without capture)
         self.captures = 0
@@ -111,6 +114,10 @@ class DecodeGraphs:
         return indexer_impl(model.cfg.index_head_dim) != "reference" and all(m.converted for m in moes)
 
     @property
+    def num_graphs(self) -> int:
+        return sum(b.graph is not None for b in self._buckets.values())
+
+    @property
     def max_rows(self) -> int:
         return self.sizes[-1]
 
@@ -120,7 +127,12 @@ class DecodeGraphs:
         until the next run). Mutates what the module docstring says."""
         b, mb = len(step.seqs), max(step.enc.block_table.shape[1], step.dec.block_table.shape[1])
         key = (bucket_size(b, self.sizes), table_bucket(mb))
-        bucket = self._buckets.get(key) or self._buckets.setdefault(key, self._new_bucket(*key))
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            while len(self._buckets) >= MAX_GRAPHS:
+                self._buckets.popitem(last=False)  # its graph and buffers go with it
+            bucket = self._buckets[key] = self._new_bucket(*key)
+        self._buckets.move_to_end(key)
         self._load(bucket, step)
         self.runs += 1
         if not self.capture:

@@ -112,3 +112,15 @@ def test_pad_rows_into_a_live_slot_are_caught(tiny64):
     ref, bad = _engine(tiny64), _engine(tiny64, pad_slot=0)
     _run(ref, ref_logits), _run(bad, bad_logits)
     assert _worst(ref_logits, bad_logits) > 1e-6
+
+
+def test_least_recently_used_buckets_are_dropped(tiny64, monkeypatch):
+    import flashtier.engine.decode_graphs as dg
+
+    monkeypatch.setattr(dg, "MAX_GRAPHS", 1)
+    ref_logits, pad_logits = [], []
+    ref, padded = _engine(tiny64), _engine(tiny64, pad_slot="pad")
+    want, got = _run(ref, ref_logits), _run(padded, pad_logits)
+    graphs = padded.runner.paged.graphs
+    assert len(graphs._buckets) == 1 and graphs.runs >= 8  # batches of 5 and 3: two buckets, one kept at a time
+    assert _worst(ref_logits, pad_logits) < TOL and got == want
