@@ -13,9 +13,11 @@ FP8, gate fp32), built on the GPU with random weights (``ExpertWeights.random_``
 ``eager`` is triton.testing.do_bench of the Python call (L2 cleared before each run; includes the host
 launch overhead of its ~8 launches); ``graph`` replays the layer captured in a CUDA graph (no host in the
 loop: what the engine will run). Each row is also checked against the reference (per-row relative RMS) and
-for batch invariance (a token alone == the same token in the batch).
+for batch invariance (a token alone == the same token in the batch). ``--sweep`` times the experts under
+each launch shape and K split in SWEEP (each checked the same way) and each projection's launches at 1 token.
 
-Usage: python3 -P benchmarks/moe_bench.py [--preset flash-16e] [--sweep] [--out docs/perf/moe.json]
+Usage: python3 -P benchmarks/moe_bench.py [--preset flash-16e] [--sweep [--sweep-range START:END]]
+       [--out docs/perf/moe.json]
 (flashtier importable, TRITON_INTERPRET=0)
 """
 
@@ -41,10 +43,18 @@ from flashtier.kernels.quant_fp8 import fp8_qdq
 
 DEVICE, BATCHES = "cuda", (1, 8, 64)
 TOL = 5e-3  # worst row's relative RMS vs the reference (tests/kernels/test_moe_grouped_gemm.py)
-SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages); none spills on sm_90 (ptxas) but the last
-    (16, 64, 64, 8, 4), (16, 64, 64, 8, 6), (16, 64, 64, 8, 2), (16, 32, 64, 8, 4), (16, 64, 64, 16, 4),
-    (16, 128, 64, 8, 4), (16, 64, 128, 8, 4), (64, 64, 64, 8, 3), (32, 64, 64, 8, 4),
-    (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (16, 32, 128, 4, 3), (16, 32, 256, 4, 3), (16, 32, 64, 2, 4),
+SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages, split_k, split_k_w2 or None: the same)
+    # the shipped tiles under each K split
+    (16, 32, 64, 4, 4, 1, None), (16, 32, 64, 4, 4, 2, None), (16, 32, 64, 4, 4, 4, None),
+    (16, 32, 64, 4, 4, 8, None), (16, 32, 64, 4, 4, 16, None),
+    # w2 has half the K steps of w1 + w3 and twice the N tiles: it may want fewer splits
+    (16, 32, 64, 4, 4, 4, 1), (16, 32, 64, 4, 4, 8, 1), (16, 32, 64, 4, 4, 8, 2), (16, 32, 64, 4, 4, 16, 4),
+    # wider or narrower programs under a split
+    (16, 64, 64, 4, 4, 4, None), (16, 64, 64, 4, 4, 8, None), (16, 64, 64, 8, 4, 8, None),
+    (16, 32, 64, 8, 4, 4, None), (16, 32, 64, 8, 4, 8, None), (16, 32, 64, 2, 4, 8, None),
+    (16, 32, 128, 4, 3, 4, None), (16, 32, 64, 4, 2, 8, None),
+    # the previous sweep's best single-pass shapes, for comparison
+    (16, 64, 64, 8, 4, 1, None), (16, 64, 64, 4, 4, 1, None), (32, 64, 64, 8, 4, 1, None),
 ]
 
 
@@ -82,9 +92,11 @@ def graph_us(fn, reps: int = 200) -> float:
     return 1e3 * do_bench(graph.replay, warmup=10, rep=reps, return_mode="median")
 
 
-def stage_us(moe: MoE, x: torch.Tensor) -> dict[str, float]:
-    """Median µs of each launch of the layer, in isolation (CUDA-graph replay)."""
-    ew, cfg = moe.experts, DEFAULT_CONFIG
+def stage_us(moe: MoE, x: torch.Tensor, cfg: MoEGemmConfig = DEFAULT_CONFIG,
+             only: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Median µs of each launch of the layer (a split projection: its GEMM and reduce), in isolation
+    (CUDA-graph replay); ``only`` picks some of them."""
+    ew = moe.experts
     n, d = x.shape
     idx, w = moe.route(x)
     k = idx.shape[1]
@@ -106,7 +118,7 @@ def stage_us(moe: MoE, x: torch.Tensor) -> dict[str, float]:
                                              gated=False, k_r=ew.inter, k_s=ew.shared_inter, n_r=d, n_s=d, **common),
         "combine": lambda: moe_combine_triton(out[: n * k], idx, out[n * k :]),
     }
-    return {name: round(graph_us(fn, reps=100), 1) for name, fn in stages.items()}
+    return {name: round(graph_us(fn, reps=100), 1) for name, fn in stages.items() if only is None or name in only}
 
 
 def touched_bytes(moe: MoE, x: torch.Tensor) -> tuple[int, int]:
@@ -129,25 +141,36 @@ def row_err(moe: MoE, x: torch.Tensor) -> tuple[float, bool]:
     return err, invariant
 
 
-def sweep(moe: MoE, rate: float) -> list[dict]:
-    """Time the experts (route excluded) under each SWEEP config; each is checked against the reference first."""
+def sweep(moe: MoE, rate: float, configs: list[tuple] = SWEEP) -> list[dict]:
+    """Time the experts (route excluded) under each SWEEP config; each is checked against the reference and for
+    batch invariance (tokens 0 and 63 alone == in the batch of 64, bit for bit) first."""
     ew, results = moe.experts, []
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     inputs = {n: torch.randn(n, ew.dim, generator=gen, device=DEVICE) for n in BATCHES}
     routes = {n: moe.route(x) for n, x in inputs.items()}
     refs = {n: moe_grouped_ffn(x, *routes[n], ew.routed(), ew.shared(), moe.limit, impl="reference")
             for n, x in inputs.items()}
-    for bm, bn, bk, nw, ns in SWEEP:
-        cfg = MoEGemmConfig(bm, bn, bk, nw, ns)
+    big = max(BATCHES)
+    for bm, bn, bk, nw, ns, sk, sk2 in configs:
+        cfg = MoEGemmConfig(bm, bn, bk, nw, ns, sk, sk2)
         run = {n: (lambda x=x, n=n: moe_grouped_ffn(x, *routes[n], ew.routed(), ew.shared(), moe.limit, config=cfg))
                for n, x in inputs.items()}
         err = max(float(((run[n]().double() - refs[n].double()).norm(dim=1) / refs[n].double().norm(dim=1)).max())
                   for n in inputs)
+        x, (idx, w) = inputs[big], routes[big]
+        whole = run[big]()
+        invariant = all(torch.equal(moe_grouped_ffn(x[t : t + 1], idx[t : t + 1], w[t : t + 1], ew.routed(),
+                                                    ew.shared(), moe.limit, config=cfg)[0], whole[t])
+                        for t in (0, big - 1))
         us = {n: round(graph_us(run[n], reps=100), 1) for n in inputs}
-        results.append(dict(config=cfg.__dict__, err=float(f"{err:.2e}"), us=us))
+        launches = stage_us(moe, inputs[1], cfg, only=("w13+shared", "w2+shared"))
+        results.append(dict(config=cfg.__dict__, err=float(f"{err:.2e}"), us=us, batch_invariant=invariant,
+                            stages_us_1_token=launches))
         times = " ".join(f"N{n}={t:7.1f}" for n, t in us.items())
-        verdict = "ok " if err <= TOL else "BAD"
-        print(f"  m{bm:<3}n{bn:<3}k{bk:<4}w{nw:<3}s{ns}  err {err:.1e} {verdict} {times}", flush=True)
+        verdict = "ok " if err <= TOL and invariant else "BAD"
+        split = f"{sk}" + (f"/{sk2}" if sk2 is not None else "")
+        print(f"  m{bm:<3}n{bn:<3}k{bk:<4}w{nw:<3}s{ns} split {split:<5} err {err:.1e} inv {invariant!s:<5} {verdict} "
+              f"{times}  (1 token: w13 {launches['w13+shared']:.1f}, w2 {launches['w2+shared']:.1f})", flush=True)
     return results
 
 
@@ -156,6 +179,8 @@ def main() -> int:
     ap.add_argument("--preset", default="flash-16e")
     ap.add_argument("--out", default=None, help="write the rows as JSON (docs/perf/moe.json)")
     ap.add_argument("--sweep", action="store_true", help="also time the experts under each launch config")
+    ap.add_argument("--sweep-range", default=":", metavar="START:END",
+                    help="only SWEEP[START:END] (e.g. 0:10 then 10:, to fit a time limit per run)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
@@ -183,7 +208,9 @@ def main() -> int:
     if args.sweep:
         print("\nsweep (experts only, CUDA-graph us per config and batch):", flush=True)
         with torch.no_grad():
-            swept = sweep(moe, rate)
+            start, _, end = args.sweep_range.partition(":")
+            swept = sweep(moe, rate, SWEEP[int(start or 0) : int(end) if end else None])
+        bad += sum(not (r["err"] <= TOL and r["batch_invariant"]) for r in swept)
     print(f"\n{'tokens':>6} {'experts':>7} {'MB':>7} {'floor us':>8} {'graph us':>8} {'eager us':>8} {'ratio':>6} "
           f"{'TB/s':>5} {'rel err':>8} inv")
     for r in rows:

@@ -9,18 +9,27 @@ Two launches (the spec is ``moe_route_ref.py``):
    one rounding to fp32, sqrt_rn, then top_k rounds of "largest biased score, lowest index among equals",
    the normalising sum in selection order and an IEEE (div_rn) division.
 
+Latency (a decode step routes a handful of tokens, so the chain of dependent steps is what costs): each
+partial program accumulates its [BT, BE, BD] products element-wise over its chunk and reduces over BD once
+at the end (a per-step reduction was a few hundred warp shuffles per step), and loads step d + 1 before it
+multiplies step d. ``gate_temp`` reaches the select kernel as the bits of its float64 (a kernel argument),
+not as a device tensor filled by a launch of its own.
+
 Every tile and chunk size is a constant (never chosen from the batch size), so a token's scores are the
 same bits whatever batch it runs in.
 """
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
 
-CHUNK = 512  # D elements per partial sum
-BT, BE, BD = 16, 16, 16  # logit tiles: tokens x experts x D step
+CHUNK = 256  # D elements per partial sum: 20 programs per expert tile at D = 5120, 8 steps each
+BT, BE, BD = 16, 16, 32  # logit tiles: tokens x experts x D step
+PARTIAL_WARPS = 8  # 32 float64 accumulators per thread
 SELECT_ELEMS = 2048  # scores per select program: 64 tokens at E = 16, 4 at E = 384 (no spills on sm_90)
 
 
@@ -34,17 +43,22 @@ def _gate_partial_kernel(
     o_t = i_t * BT + tl.arange(0, BT)
     o_e = i_e * BE + tl.arange(0, BE)
     m_t, m_e = o_t < n_tok, o_e < n_exp
-    b_acc = tl.zeros((BT, BE), dtype=tl.float64)
-    for d0 in range(i_c * CHUNK, tl.minimum(i_c * CHUNK + CHUNK, dim), BD):
-        o_d = d0 + tl.arange(0, BD)
-        m_d = o_d < dim
-        b_x = tl.load(p_x + o_t.to(tl.int64)[:, None] * stride_x + o_d[None, :],
-                      mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float64)
-        b_w = tl.load(p_w + o_e.to(tl.int64)[:, None] * stride_w + o_d[None, :],
-                      mask=m_e[:, None] & m_d[None, :], other=0.0).to(tl.float64)
-        b_acc += tl.sum(b_x[:, None, :] * b_w[None, :, :], axis=2)
+    p_xr = p_x + o_t.to(tl.int64)[:, None] * stride_x
+    p_wr = p_w + o_e.to(tl.int64)[:, None] * stride_w
+    d_lo = i_c * CHUNK
+    d_hi = tl.minimum(d_lo + CHUNK, dim)
+    o_d = d_lo + tl.arange(0, BD)
+    b_x = tl.load(p_xr + o_d[None, :], mask=m_t[:, None] & (o_d < d_hi)[None, :], other=0.0)
+    b_w = tl.load(p_wr + o_d[None, :], mask=m_e[:, None] & (o_d < d_hi)[None, :], other=0.0)
+    b_acc = tl.zeros((BT, BE, BD), dtype=tl.float64)
+    for d0 in range(d_lo, d_hi, BD):
+        o_d = d0 + BD + tl.arange(0, BD)  # the next step's operands are in flight while this one multiplies
+        b_x_nxt = tl.load(p_xr + o_d[None, :], mask=m_t[:, None] & (o_d < d_hi)[None, :], other=0.0)
+        b_w_nxt = tl.load(p_wr + o_d[None, :], mask=m_e[:, None] & (o_d < d_hi)[None, :], other=0.0)
+        b_acc += b_x.to(tl.float64)[:, None, :] * b_w.to(tl.float64)[None, :, :]
+        b_x, b_w = b_x_nxt, b_w_nxt
     o_p = (i_c * n_tok + o_t).to(tl.int64)[:, None] * n_exp + o_e[None, :]
-    tl.store(p_part + o_p, b_acc, mask=m_t[:, None] & m_e[None, :])
+    tl.store(p_part + o_p, tl.sum(b_acc, axis=2), mask=m_t[:, None] & m_e[None, :])
 
 
 @triton.jit
@@ -57,7 +71,7 @@ def _log1p_f64(u):
 
 @triton.jit
 def _route_select_kernel(
-    p_part, p_bias, p_temp, p_idx, p_w, n_tok, n_exp, n_chunks, route_scale,
+    p_part, p_bias, p_idx, p_w, n_tok, n_exp, n_chunks, temp_bits, route_scale,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BT: tl.constexpr,
 ):
     o_t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -68,7 +82,7 @@ def _route_select_kernel(
     for c in range(0, n_chunks):  # chunk order: the same sum for a token in any batch
         o_p = (c * n_tok + o_t).to(tl.int64)[:, None] * n_exp + o_e[None, :]
         b_logit += tl.load(p_part + o_p, mask=m_te, other=0.0)
-    b_logit = b_logit / tl.load(p_temp)
+    b_logit = b_logit / temp_bits.to(tl.int64).to(tl.float64, bitcast=True)
     # exp is only needed below the threshold; clamping keeps the unused branch finite.
     b_sp = tl.where(b_logit > 20.0, b_logit, _log1p_f64(tl.exp(tl.minimum(b_logit, 20.0))))
     b_s = tl.sqrt_rn(b_sp.to(tl.float32))
@@ -116,12 +130,14 @@ def moe_route_triton(
     part = torch.empty((n_chunks, n, e), dtype=torch.float64, device=dev)
     _gate_partial_kernel[(triton.cdiv(n, BT), triton.cdiv(e, BE), n_chunks)](
         x, gate_weight, part, n, e, d, x.stride(0), gate_weight.stride(0), CHUNK=CHUNK, BT=BT, BE=BE, BD=BD,
+        num_warps=PARTIAL_WARPS,
     )
-    temp = torch.full((1,), float(gate_temp), dtype=torch.float64, device=dev)
+    # a Python float argument would reach the kernel as fp32: pass the float64's bits instead
+    temp_bits = struct.unpack("<q", struct.pack("<d", float(gate_temp)))[0]
     e_pad = max(16, triton.next_power_of_2(e))
     bt = max(1, min(64, SELECT_ELEMS // e_pad))  # from the geometry, never from N
     _route_select_kernel[(triton.cdiv(n, bt),)](
-        part, bias, temp, idx, w, n, e, n_chunks, float(route_scale),
+        part, bias, idx, w, n, e, n_chunks, temp_bits, float(route_scale),
         TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=e_pad, BT=bt,
         num_warps=4 if e_pad <= 64 else 8,
     )

@@ -14,12 +14,16 @@ w1+w3 launch (SwiGLU, routing weight, FP8 quantisation of the activation in its 
 launch writing each pair's row of ``[N*k, D]``; the shared expert runs as extra tiles of both launches
 (FP8 weights, every token) -> a combine summing each token's rows in ascending expert id, then the shared
 row. Weights are read as stored (0.53 B/param for MXFP4) and decoded in registers
-(``_moe_grouped_gemm_triton.py``).
+(``_moe_grouped_gemm_triton.py``). With ``config.split_k`` > 1 each projection's K is split across programs
+and a second small launch sums the fp32 partials in ascending split order before the epilogue
+(``_moe_splitk_reduce_triton.py``): more programs at decode sizes, the same result up to the order of the
+fp32 sums. A token's output is then summed in a fixed order: each pair's K splits ascending, then the
+pairs in ascending expert id, then the shared expert's row.
 
 Tolerance against the reference (tests/kernels/test_moe_grouped_gemm.py): the GEMMs differ only in
 summation order (exact products, fp32 sums), which can move an activation across an FP8 rounding boundary
 now and then (one e4m3 step of that element). Same-batch-size independence: a token's output bits do not
-depend on the other tokens of its batch (fixed tiles, no atomics).
+depend on the other tokens of its batch (fixed tiles and K splits, no atomics).
 
 Failure: shapes, dtypes, devices and ``limit`` are checked here (``ValueError`` naming the argument). Expert
 ids out of range raise in the reference; the Triton path (which cannot look without a host sync) drops
@@ -84,7 +88,8 @@ def moe_grouped_ffn(
 ) -> torch.Tensor:
     """Routed + shared experts for ``x [N, D]`` (see the module docstring): ``y [N, D]``.
 
-    ``config`` overrides the Triton launch shape (tests and benchmarks; keep it fixed in a deployment).
+    ``config`` overrides the Triton launch shape and K splits (tests and benchmarks; keep it fixed in a
+    deployment: a token's bits depend on it, never on the batch).
 
     Example (one flash-16e layer on the GPU)::
 

@@ -1,8 +1,8 @@
 """moe_route: the Triton kernels against the plain-torch reference, bit for bit (indices and weights).
 
 Grids: tokens N in {1, 3, 17, 64, 300} x (experts, top-k) in {(16, 6), (8, 2)}, on the CPU with the
-kernels interpreted (D = 64, the tiny preset's width, and D = 1100: three ragged float64 partial-sum
-chunks). Data kinds:
+kernels interpreted (D = 64, the tiny preset's width, and D = 1100: five float64 partial-sum chunks of 256,
+the last ragged). Data kinds:
 - "randn": real-valued activations and gate rows;
 - "ties": activations and gate rows on a coarse grid (every partial sum exact in any order), each gate row
   and bias value repeated for two experts, so every pair of experts ties and the lower index must win;
