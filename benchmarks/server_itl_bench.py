@@ -106,8 +106,9 @@ def engine_stage(argv: list[str], prompts: list[list[int]], tokens: int) -> dict
             engine.add_request(f"r{i}", ids, params)
         t = time.perf_counter()
         def prefilling() -> bool:  # chunked by --max-num-batched-tokens; stops if a request ends first
-            return len(engine.requests) == len(prompts) and any(not q.output for r in engine.requests.values()
-                                                                for q in r.seqs)
+            # a request still waiting (or loading from the tiers) has no sequence yet: it is not decoding either
+            return len(engine.requests) == len(prompts) and any(
+                not r.seqs or any(not q.output for q in r.seqs) for r in engine.requests.values())
         while prefilling():
             engine.step()
         sync()
