@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.batch_forward import push_tail
+from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.dense_entries import DenseWrites
 from flashtier.engine.model.step_rows import StepRows
 from flashtier.engine.paged_kv import PagedSequence
@@ -124,7 +124,7 @@ def install(step: DecodeStep, x: torch.Tensor, pre: torch.Tensor,
     even = [i for i, p in enumerate(step.positions) if p % 2 == 0]
     idx = pinned_to(even, x.device) if even else None
     for src, (kv_rows, z_rows) in opened.items():
-        for i, kv in enumerate(step.seqs):
+        for kv in step.seqs:
             kv.partial[src] = None
         if idx is not None:
             g_kv, g_z = kv_rows[idx], z_rows[idx]  # one gather each: copies, views below
