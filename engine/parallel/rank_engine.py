@@ -74,5 +74,6 @@ def build_rank_engine(config: EngineConfig, kv: KVStoreConfig, groups: ParallelG
     reserve_engram_staging(model, config.max_num_batched_tokens)
     if token_map is not None:
         model.set_token_map(token_map.to(model.device))
-    config = dataclasses.replace(config, device=str(device))
+    # no CUDA graphs under tensor / expert parallelism yet: capturing the step's collectives is untested
+    config = dataclasses.replace(config, device=str(device), cuda_graphs=False)
     return Engine(model, config, _equal_pool(kv, device), tiers=None)
