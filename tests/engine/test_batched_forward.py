@@ -16,6 +16,7 @@ from flashtier.engine.sampling_params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
+from .logit_recorder import record_logits
 
 TOL = 1e-9
 
@@ -23,20 +24,6 @@ TOL = 1e-9
 def _engine(model, forward, *, budget=96, blocks=400, max_seqs=16):
     cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, forward=forward, dtype="float64")
     return Engine(model, cfg, KVStoreConfig(block_size=16, num_blocks=blocks))
-
-
-def _record(engine):
-    """Wrap the runner so every step's logits are kept."""
-    seen = []
-    execute = engine.runner.execute
-
-    def wrapped(batch):
-        out = execute(batch)
-        seen.append(None if out.logits is None else out.logits.clone())
-        return out
-
-    engine.runner.execute = wrapped
-    return seen
 
 
 def _run(engine, requests):
@@ -53,7 +40,7 @@ def _run(engine, requests):
 
 def _compare(model, requests, **kw):
     ref, bat = _engine(model, "per-sequence", **kw), _engine(model, "batched", **kw)
-    ref_logits, bat_logits = _record(ref), _record(bat)
+    ref_logits, bat_logits = record_logits(ref), record_logits(bat)
     want, got = _run(ref, requests), _run(bat, requests)
     assert bat.runner.per_sequence_steps == 0, "a step fell back to the per-sequence forward"
     assert len(ref_logits) == len(bat_logits)
@@ -90,7 +77,7 @@ def test_prefix_hit_bounded_replay(tiny64):
     ref, bat = _engine(tiny64, "per-sequence"), _engine(tiny64, "batched")
     for eng in (ref, bat):
         _run(eng, first)
-    ref_logits, bat_logits = _record(ref), _record(bat)
+    ref_logits, bat_logits = record_logits(ref), record_logits(bat)
     assert _run(bat, second) == _run(ref, second)
     assert ref.scheduler.stats.prefix_hits_tokens > 0
     for a, b in zip(ref_logits, bat_logits):

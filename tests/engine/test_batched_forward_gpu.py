@@ -28,6 +28,7 @@ from flashtier.engine.sampling_params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
+from .logit_recorder import record_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,14 +47,7 @@ def _engine(model, forward, dtype, *, budget=256, max_seqs=32):
 
 def _run(engine, requests, logits=None):
     if logits is not None:
-        execute = engine.runner.execute
-
-        def wrapped(batch):
-            out = execute(batch)
-            logits.append(None if out.logits is None else out.logits.double().cpu())
-            return out
-
-        engine.runner.execute = wrapped
+        record_logits(engine, logits, to_host=True)
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     out = {}

@@ -23,6 +23,7 @@ from flashtier.engine.sampling_params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
+from .logit_recorder import record_logits
 
 TOL = 1e-12
 LENGTHS = [3, 17, 40, 1, 33]  # 5 sequences: decode batches of 5 pad to 8, of 3 (after finishes) to 4
@@ -39,14 +40,7 @@ def _engine(model, *, pad_slot=None):
 
 
 def _run(eng, logits):
-    execute = eng.runner.execute
-
-    def wrapped(batch):
-        out = execute(batch)
-        logits.append(None if out.logits is None else out.logits.clone())
-        return out
-
-    eng.runner.execute = wrapped
+    record_logits(eng, logits)
     for i, n in enumerate(LENGTHS):
         eng.add_request(f"r{i}", random_prompt(n, seed=300 + i),
                         SamplingParams(temperature=0, max_tokens=4 + 3 * (i % 3), ignore_eos=True))

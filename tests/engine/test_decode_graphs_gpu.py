@@ -26,6 +26,7 @@ from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
 from .gpu_models import tiny_on_cuda
+from .logit_recorder import record_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,14 +44,7 @@ def _engine(model, dtype, graphs):
 
 
 def _run(engine, logits):
-    execute = engine.runner.execute
-
-    def wrapped(batch):
-        out = execute(batch)
-        logits.append(None if out.logits is None else out.logits.double().cpu())
-        return out
-
-    engine.runner.execute = wrapped
+    record_logits(engine, logits, to_host=True)
     for i, n in enumerate(LENGTHS):
         engine.add_request(f"r{i}", random_prompt(n, seed=700 + i),
                            SamplingParams(temperature=0, max_tokens=6 + 4 * (i % 3), ignore_eos=True))
