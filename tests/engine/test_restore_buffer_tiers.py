@@ -17,7 +17,7 @@ from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.snapshot import SnapshotKey
 from flashtier.kvstore.ssd_record import HEADER_BYTES
 
-from ..kvstore.test_ssd_store import flip
+from ..kvstore.ssd_store_support import flip
 from .restore_bytes_oracle import bytes_prefix
 from .scheduler_harness import NAMESPACE, Harness, prompt_of
 

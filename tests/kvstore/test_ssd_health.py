@@ -12,7 +12,7 @@ import pytest
 from flashtier.kvstore.ssd_health import ADMISSION_QUIET_S
 from flashtier.kvstore.ssd_store import PutResult, SSDStore
 
-from .test_ssd_store import (  # noqa: F401 - clock and open_store are fixtures
+from .ssd_store_support import (  # noqa: F401 - clock and open_store are fixtures
     LIFETIME,
     REC,
     T0,

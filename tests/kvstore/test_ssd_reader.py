@@ -16,7 +16,7 @@ from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.ssd_reader import SSDReader
 from flashtier.kvstore.ssd_record import HEADER_BYTES, RecordCorrupt, decode_record
 
-from .test_ssd_store import clock, flip, key, open_store, payload  # noqa: F401 - clock and open_store are fixtures
+from .ssd_store_support import clock, flip, key, open_store, payload  # noqa: F401 - clock and open_store are fixtures
 
 P = 56
 REC = HEADER_BYTES + P
