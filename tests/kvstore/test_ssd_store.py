@@ -8,7 +8,6 @@ Records here are 100 B (44 B header + 56 B payload), segments hold 4 of them, th
 import dataclasses
 import os
 import random
-import time
 from collections import Counter
 
 import pytest

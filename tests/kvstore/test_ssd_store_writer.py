@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.ssd_store import PutResult, SSDStore
 from flashtier.kvstore.ssd_writer import SSDWriter
