@@ -105,6 +105,7 @@ class ChatChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = Field(default=None, description="the stop string or token id that ended it")
+    token_ids: list[int] | None = None  # with return_token_ids: the generated ids
 
 
 class ChatCompletionResponse(_Response):
@@ -115,6 +116,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class FunctionCallDelta(_Response):
@@ -143,6 +145,7 @@ class ChatChunkChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this step's ids (on the chunk that carries them)
 
 
 class ChatCompletionChunk(_Response):
@@ -153,6 +156,7 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: on the first chunk
 
 
 class CompletionLogprobs(_Response):

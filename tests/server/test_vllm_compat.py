@@ -21,6 +21,7 @@ import torch
 from flashtier import __version__
 from flashtier.server.cli import _serve_seed, build_parser, main
 from flashtier.server.kv_dir_lock import KVDirInUse, KVDirLock, held_by
+from flashtier.server.protocol_responses import ChatCompletionChunk, ChatCompletionResponse
 from flashtier.server.request_checks import resolve_max_tokens
 from flashtier.server.settings import build_settings
 from flashtier.server.startup_log import mask_url, startup_lines
@@ -194,6 +195,10 @@ def test_chat_return_token_ids(server):
     assert chunks[0]["prompt_token_ids"] == answer["prompt_token_ids"]
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == choice["token_ids"]
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    # the documented response schemas (additional properties forbidden) hold the extension's fields
+    ChatCompletionResponse.model_validate(answer)
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
 
 
 def test_tokenize_has_its_own_body_limit(tokenizer):
