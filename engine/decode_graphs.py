@@ -27,6 +27,7 @@ the step's sequences, the pad slot and the null block. Failure: a capture error 
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -65,7 +66,7 @@ class _Bucket:
     enc: StepRows  # static [Tb, ...]; writes: DenseWrites
     dec: StepRows
     perm: torch.Tensor  # [Tb]
-    pad: tuple[StepRows, StepRows, torch.Tensor]  # the pad pattern of (enc, dec, perm)
+    pad: tuple[StepRows, StepRows, torch.Tensor, torch.Tensor]  # the pad pattern of (enc, dec, perm, ids)
     feed: dict[int, torch.Tensor]  # Engram layer -> rows [Tb, H, hd] (host tables only)
     graph: torch.cuda.CUDAGraph | None = None
     out: StepOutputs | None = None
@@ -114,10 +115,6 @@ class DecodeGraphs:
         return indexer_impl(model.cfg.index_head_dim) != "reference" and all(m.converted for m in moes)
 
     @property
-    def num_graphs(self) -> int:
-        return sum(b.graph is not None for b in self._buckets.values())
-
-    @property
     def max_rows(self) -> int:
         return self.sizes[-1]
 
@@ -136,19 +133,25 @@ class DecodeGraphs:
         self._load(bucket, step)
         self.runs += 1
         if not self.capture:
-            if self.host is not None:
-                self.host.feed = bucket.feed
-            try:
+            with self._feeding(bucket):
                 out = self._program(bucket)
-                return StepOutputs(out.logits[:b], out.x, out.pre, out.opened)
-            finally:
-                if self.host is not None:
-                    self.host.feed = None
+            return StepOutputs(out.logits[:b], out.x, out.pre, out.opened)
         if bucket.graph is None:
             self._capture(bucket)
         bucket.graph.replay()
         out = bucket.out
         return StepOutputs(out.logits[:b].clone(), out.x, out.pre, out.opened)
+
+    @contextmanager
+    def _feeding(self, bucket: _Bucket):
+        """While the program runs outside a replay, the Engram layers read the bucket's static feed."""
+        if self.host is not None:
+            self.host.feed = bucket.feed
+        try:
+            yield
+        finally:
+            if self.host is not None:
+                self.host.feed = None
 
     def _program(self, bucket: _Bucket) -> StepOutputs:
         """The whole step over the static inputs (what a graph records)."""
@@ -164,7 +167,7 @@ class DecodeGraphs:
 
     def _load(self, bucket: _Bucket, step: DecodeStep) -> None:
         b = len(step.seqs)
-        pad_enc, pad_dec, pad_perm = bucket.pad
+        pad_enc, pad_dec, pad_perm, pad_ids = bucket.pad
         for dst, src, pad in ((bucket.enc, step.enc, pad_enc), (bucket.dec, step.dec, pad_dec)):
             for name in _ROW_FIELDS:
                 _copy_rows(getattr(dst, name), getattr(src, name), getattr(pad, name), b)
@@ -173,7 +176,7 @@ class DecodeGraphs:
                 if getattr(w, name) is not None:
                     _copy_rows(getattr(w, name), getattr(step.enc.writes[layer], name),
                                getattr(pad_enc.writes[layer], name), b)
-        _copy_rows(bucket.ids, step.ids, torch.zeros_like(bucket.ids), b)
+        _copy_rows(bucket.ids, step.ids, pad_ids, b)
         _copy_rows(bucket.perm, step.perm, pad_perm, b)
         if bucket.feed:  # the Engram rows of the real rows, gathered from the host tables as the eager step does
             key = step.enc.ngram_tokens
@@ -193,8 +196,8 @@ class DecodeGraphs:
                 if e is not None:
                     feed[layer] = torch.zeros((tb, e.n_hashes, cfg.engram_head_dim), dtype=self.host.dtype,
                                               device=dev)
-        return _Bucket(torch.zeros(tb, dtype=torch.long, device=dev), _clone(enc), _clone(dec), perm.clone(),
-                       (enc, dec, perm), feed)
+        ids = torch.zeros(tb, dtype=torch.long, device=dev)
+        return _Bucket(ids.clone(), _clone(enc), _clone(dec), perm.clone(), (enc, dec, perm, ids), feed)
 
     def _pad_rows(self, tb: int, mbb: int, dev: torch.device, encoder: bool) -> StepRows:
         """``tb`` rows at position 0 of a sequence with no blocks, ringed in the pad slot."""
@@ -225,22 +228,19 @@ class DecodeGraphs:
         records, it does not execute)."""
         saved = (bucket.enc, bucket.dec, bucket.perm)
         bucket.enc, bucket.dec, bucket.perm = _clone(bucket.pad[0]), _clone(bucket.pad[1]), bucket.pad[2].clone()
-        if self.host is not None:
-            self.host.feed = bucket.feed
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._program(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            bucket.enc, bucket.dec, bucket.perm = saved
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                bucket.out = self._program(bucket)
+            with self._feeding(bucket):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._program(bucket)
+                torch.cuda.current_stream().wait_stream(side)
+                bucket.enc, bucket.dec, bucket.perm = saved
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    bucket.out = self._program(bucket)
         finally:
             bucket.enc, bucket.dec, bucket.perm = saved
-            if self.host is not None:
-                self.host.feed = None
         bucket.graph = graph
         self.captures += 1
 
