@@ -36,6 +36,7 @@ import triton.language as tl
 from flashtier.kernels._fp8_bits import _e4m3_to_f32, _e8m0_to_f32, _f32_to_bf16_rne
 
 _REDUCE_BLOCK = 1024
+_INLINE_ABOVE = 64  # rows: above, each program runs the K splits itself (no fp32 partials in HBM)
 
 
 @dataclass(frozen=True)
@@ -56,16 +57,18 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, kw: int, device: torch.device) -> Fp8GemmConfig:
-    """Decode (m <= 64): one M tile, 64 weight rows per program, split-K until ~2 programs per SM.
-    Prefill: 128 x 128 tiles, no split. Chosen from the shape only (no autotuning at run time)."""
-    if m > 64:
-        return Fp8GemmConfig(block_m=128, block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3)
-    block_m = max(16, triton.next_power_of_2(m))
+    """Split-K from (N, K) only, never from M (part of a row's reduction order: batch invariance): split
+    until ~2 programs per SM of 64 weight rows. Decode (m <= 64): one M tile, 64 weight rows per program, the
+    splits as separate programs. Prefill: 128 x 128 tiles, each program runs the same splits one after the
+    other (same sums, same order, no workspace). Chosen from the shape only (no autotuning at run time)."""
     tiles = triton.cdiv(n, 64)
     split = 1
     # each split keeps >= 512 of K (4 loop steps) so the pipeline fills; partials cost 4 * M * N bytes each
     while tiles * split < 2 * _sm_count(device) and kw // (2 * split) >= 512:
         split *= 2
+    if m > 64:
+        return Fp8GemmConfig(block_m=128, block_n=128, block_k=128, split_k=split, num_warps=8, num_stages=3)
+    block_m = max(16, triton.next_power_of_2(m))
     return Fp8GemmConfig(block_m=block_m, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=4)
 
 
@@ -122,6 +125,7 @@ def _fp8_gemm_kernel(
     stride_am, stride_sam, stride_wn, stride_swn, stride_os, stride_om,
     BN_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     A_FP8: tl.constexpr, A_SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLITS: tl.constexpr, INLINE: tl.constexpr,
 ):
     # Traffic per program: BLOCK_N * (k_hi - k_lo) weight bytes + BLOCK_M rows of A; write BLOCK_M x BLOCK_N.
     i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -130,13 +134,28 @@ def _fp8_gemm_kernel(
     m_n, m_m = o_n < N, o_m < M
     o_n, o_m = o_n.to(tl.int64), o_m.to(tl.int64)
     g = (i_n * BLOCK_N) // NG  # BLOCK_N divides NG: a tile never straddles two groups
-    k_lo = i_s * k_split
-    k_hi = tl.minimum(k_lo + k_split, KW)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc = fp8_scaled_mma(
-        acc, p_w, p_sw, p_a + g * KW, p_sa + g * (KW // 32), o_n, m_n, o_m, m_m, k_lo, k_hi,
-        stride_wn, stride_swn, stride_am, stride_sam, BN_SCALE, BLOCK_K, A_FP8, A_SPLIT, INTERPRET,
-    )
+    p_ag, p_sag = p_a + g * KW, p_sa + g * (KW // 32)
+    if INLINE:  # the splits one after the other, added in ascending order: the bits of the split launch
+        acc = fp8_scaled_mma(
+            tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), p_w, p_sw, p_ag, p_sag, o_n, m_n, o_m, m_m, 0,
+            tl.minimum(k_split, KW), stride_wn, stride_swn, stride_am, stride_sam, BN_SCALE, BLOCK_K, A_FP8,
+            A_SPLIT, INTERPRET,
+        )
+        for s in range(1, SPLITS):
+            k_lo = s * k_split
+            acc += fp8_scaled_mma(
+                tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), p_w, p_sw, p_ag, p_sag, o_n, m_n, o_m, m_m, k_lo,
+                tl.minimum(k_lo + k_split, KW), stride_wn, stride_swn, stride_am, stride_sam, BN_SCALE, BLOCK_K,
+                A_FP8, A_SPLIT, INTERPRET,
+            )
+        i_s = 0
+    else:
+        k_lo = i_s * k_split
+        acc = fp8_scaled_mma(
+            tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), p_w, p_sw, p_ag, p_sag, o_n, m_n, o_m, m_m, k_lo,
+            tl.minimum(k_lo + k_split, KW), stride_wn, stride_swn, stride_am, stride_sam, BN_SCALE, BLOCK_K, A_FP8,
+            A_SPLIT, INTERPRET,
+        )
     out = tl.trans(acc)
     p_o = p_out + i_s * stride_os + o_m[:, None] * stride_om + o_n[None, :]
     m_o = m_m[:, None] & m_n[None, :]
@@ -183,16 +202,17 @@ def fp8_gemm_triton(
     a_fp8 = a_scale is not None
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     out_bf16 = out.dtype == torch.bfloat16
-    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, cfg.block_m), splits)
+    inline = splits == 1 or m > _INLINE_ABOVE
+    target = out if inline else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, cfg.block_m), 1 if inline else splits)
     _fp8_gemm_kernel[grid](
         a, a_scale if a_fp8 else a, w, w_scale, target, m, n, kw, ng, k_split,
         a.stride(0), a_scale.stride(0) if a_fp8 else 0, w.stride(0), w_scale.stride(0), m * n, n,
         BN_SCALE=block_n, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=cfg.block_k,
-        A_FP8=a_fp8, A_SPLIT=(not a_fp8) and a.dtype == torch.float32, OUT_BF16=out_bf16 and splits == 1,
-        INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        A_FP8=a_fp8, A_SPLIT=(not a_fp8) and a.dtype == torch.float32, OUT_BF16=out_bf16 and inline,
+        INTERPRET=interpret, SPLITS=splits, INLINE=inline, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
+    if not inline:
         mn = m * n
         _split_reduce_kernel[(triton.cdiv(mn, _REDUCE_BLOCK),)](
             target, out, mn, S=splits, BLOCK=_REDUCE_BLOCK, OUT_BF16=out_bf16

@@ -14,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.model.norm import RMSNorm
-from flashtier.engine.model.numerics import up
+from flashtier.engine.model.numerics import linear_up, up
 
 
 @dataclass
@@ -76,11 +75,11 @@ class Compressor(nn.Module):
     def project_single(self, h: torch.Tensor) -> torch.Tensor:
         """Ratio 1: the latent of every row of h [T, D] -> [T, hd] fp32 (pre-RoPE)."""
         w = self.wkv.weight
-        return self.norm(up(F.linear(h.to(w.dtype), w)))
+        return self.norm(up(linear_up(h.to(w.dtype), w)))
 
     def project_pairs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio 2: kv and gate scores [T, hd] fp32 of every row of h [T, D]."""
-        return F.linear(up(h), up(self.wkv.weight)), F.linear(up(h), up(self.wgate.weight))
+        return linear_up(up(h), self.wkv.weight), linear_up(up(h), self.wgate.weight)
 
     def pool_pairs(self, kv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Ratio 2: groups kv, z [G, 2, hd] -> latents [G, hd] (per-channel softmax over the pair, RMSNorm)."""

@@ -26,6 +26,7 @@ from torch import nn
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.numerics import up
+from flashtier.kernels.row_reduce import mean_square, row_sum
 
 
 def _is_prime(n: int) -> bool:
@@ -133,9 +134,10 @@ class Engram(nn.Module):
         value = kv[:, hc * d :]
         h = up(h)
         eps = cfg.rms_norm_eps
-        rh = torch.rsqrt(h.pow(2).mean(-1) + eps)
-        rk = torch.rsqrt(key.pow(2).mean(-1) + eps)
-        dot = (h * self.q_weight * self.k_weight * key).sum(-1) * rh * rk / math.sqrt(d)
+        # row reductions of fixed order on CUDA (kernels/row_reduce.py): a token's gate does not move with its batch
+        rh = torch.rsqrt(mean_square(h) + eps)
+        rk = torch.rsqrt(mean_square(key) + eps)
+        dot = row_sum(h * self.q_weight * self.k_weight * key) * rh * rk / math.sqrt(d)
         gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
         return h + gate[..., None] * value[:, None, :]
 

@@ -18,7 +18,7 @@ from torch import nn
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.norm import RMSNorm
-from flashtier.engine.model.numerics import qdq, up
+from flashtier.engine.model.numerics import linear_up, qdq, up
 from flashtier.engine.model.rope import make_rope
 from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
 
@@ -47,14 +47,14 @@ class Indexer(nn.Module):
         q = linear(qr, self.wq_b).view(qr.shape[0], self.n_heads, self.head_dim)
         q = qdq(mxfp4_qdq, self.rope.apply(q, pos))
         ww = self.weights_proj.weight
-        w = up((h.to(ww.dtype) @ ww.t())) * self.weight_scale
+        w = up(linear_up(h.to(ww.dtype), ww)) * self.weight_scale
         return q, w
 
     def project_k_raw(self, latent: torch.Tensor, entry_pos: torch.Tensor) -> torch.Tensor:
         """Index keys [E, ID] before MXFP4: from PRE-RoPE latents [E, hd], rotated at their positions."""
         assert self.wk is not None, "only KV-source layers own an index key projection"
         wk = self.wk.weight
-        k = self.k_norm(up((latent.to(wk.dtype) @ wk.t())))
+        k = self.k_norm(up(linear_up(latent.to(wk.dtype), wk)))
         return self.rope.apply(k, entry_pos)
 
     def project_k(self, latent: torch.Tensor, entry_pos: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from flashtier.engine.model.numerics import up
+from flashtier.engine.model.numerics import linear_up, up
 from flashtier.kernels.mhc_coeffs import mhc_coeffs
+from flashtier.kernels.mhc_streams import hc_collapse, hc_expand
+from flashtier.kernels.row_reduce import mean_square
 
 
 @dataclass(frozen=True)
@@ -41,19 +43,19 @@ def hc_mixes(
     """Coefficients from the residual streams ``x`` [T, hc, D]."""
     t, hc, d = x.shape
     flat = up(x).reshape(t, hc * d)
-    m = (flat @ up(fn).t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    m = linear_up(flat, fn) * torch.rsqrt(mean_square(flat)[:, None] + norm_eps)
     pre, post, c = mhc_coeffs(m, base, scale, hc=hc, hc_eps=hc_eps, iters=sinkhorn_iters)
     return HcMix(pre, post, c)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Collapse the streams: sum_j pre[j] * x[j] -> [T, D] fp32."""
-    return (pre[..., None] * up(x)).sum(-2)
+    return hc_collapse(x, pre)
 
 
 def hc_post(f: torch.Tensor, x: torch.Tensor, mix: HcMix) -> torch.Tensor:
     """Residual update: y[k] = post[k] * f + sum_j C[j, k] * x[j] -> [T, hc, D] fp32."""
-    return mix.post[..., None] * up(f)[:, None, :] + torch.einsum("tjk,tjd->tkd", mix.comb, up(x))
+    return hc_expand(f, x, mix.post, mix.comb)
 
 
 def identity_pre(

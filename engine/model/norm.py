@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from flashtier.engine.model.numerics import up
+from flashtier.kernels.row_reduce import mean_square
 
 
 class RMSNorm(nn.Module):
@@ -17,4 +18,5 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = up(x)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * up(self.weight)
+        # mean_square: a batch-invariant row sum on CUDA (torch's mean splits a row by the row count)
+        return x * torch.rsqrt(mean_square(x)[..., None] + self.eps) * up(self.weight)

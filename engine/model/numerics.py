@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from flashtier.kernels.invariant_linear import linear as invariant_linear
+
 
 def up(x: torch.Tensor) -> torch.Tensor:
     """fp32 view of ``x`` for the model's fp32 math, or ``x`` itself when it is already float64."""
@@ -26,3 +28,12 @@ def qdq(op, x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float64:
         return op(x.float()).double()
     return op(x)
+
+
+def linear_up(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, up(w))`` in x's precision, batch invariant on CUDA (``kernels/invariant_linear.py``):
+    a row's bits do not depend on the other rows of the call. A bf16 weight under fp32 x is read as stored
+    (upcast exactly inside the kernel: no fp32 copy of the weight)."""
+    if w.dtype != x.dtype and not (w.dtype == torch.bfloat16 and x.dtype == torch.float32):
+        w = w.to(x.dtype)
+    return invariant_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])

@@ -8,7 +8,6 @@ the tensor names of the checkpoint layout (``layers.3.attn.wq_a.weight``, ``mtp.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashtier.engine.model.block import Block
@@ -17,7 +16,7 @@ from flashtier.engine.model.dspark import DSparkStage
 from flashtier.engine.model.engram import default_token_map
 from flashtier.engine.model.mhc import hc_pre
 from flashtier.engine.model.norm import RMSNorm
-from flashtier.engine.model.numerics import up
+from flashtier.engine.model.numerics import linear_up, up
 
 
 class Transformer(nn.Module):
@@ -48,7 +47,7 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Collapse with the last FFN's pre, final norm, fp32 head -> [T, V]."""
-        return F.linear(self.norm(hc_pre(x, pre)), up(self.head.weight))
+        return linear_up(self.norm(hc_pre(x, pre)), self.head.weight)
 
     @property
     def n_encoder_layers(self) -> int:

@@ -10,9 +10,10 @@ gets a row and compares them with ``torch.equal``:
   rings, ratio-2 groups completed from waiting partial groups instead of rows of the same step);
 - graphs on vs off for the batch of 64 (padded replay vs eager).
 
-A deliberately changed prompt token must break the equality (the comparison can fail). Status on the H200:
-graphs vs eager holds; alone vs in a batch and chunked vs one step do not yet (strict xfail below: they turn
-into failures the day they pass, so the marker gets removed).
+A deliberately changed prompt token must break the equality (the comparison can fail). All of it holds on the
+H200 (docs/perf/batch_invariance.json): every float linear, row reduction and mHC stream sum runs a kernel whose
+reduction order is fixed by the weight's shape, never by the row count (kernels/invariant_linear.py,
+row_reduce.py, mhc_streams.py; the FP8 GEMM's K split depends on N and K only).
 """
 
 import os
@@ -71,21 +72,12 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-# Measured on the H200: these two fail. Prefill rows in different numbers go through cuBLAS / torch kernels
-# whose algorithm (split, tile, reduction layout) is picked by the row count: the compressor's and indexer's
-# float linears, the grouped wo_a einsum, the head, RMSNorm's mean. Decode padding (graphs vs eager) holds.
-NOT_YET = pytest.mark.xfail(strict=True, reason="float linears and norms run row-count dependent cuBLAS / torch "
-                            "kernels; a batch-invariant linear and norm are not built yet")
-
-
-@NOT_YET
 def test_alone_equals_in_a_batch(model):
     alone = _logits_of(model, 0)
     assert _same(alone, _logits_of(model, 8))
     assert _same(alone, _logits_of(model, 64))
 
 
-@NOT_YET
 def test_chunked_prefill_equals_one_step(model):
     assert _same(_logits_of(model, 0), _logits_of(model, 0, budget=32))
 
