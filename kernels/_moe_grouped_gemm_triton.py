@@ -46,6 +46,7 @@ the same instructions in a batch of 1 or 64, so the result is batch invariant bi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -63,8 +64,9 @@ MAX_SPLIT_K = 64
 
 @dataclass(frozen=True)
 class MoEGemmConfig:
-    """Launch shape of the grouped GEMM. Fixed per deployment, never chosen from the batch: the M tile is
-    also ``moe_align``'s block size, and a pair's bits depend only on this shape, not on its neighbours."""
+    """Launch shape of the grouped GEMM. The M tile (also ``moe_align``'s block size) only sets how many pairs
+    share a tile: each pair's row is summed over K in the same steps whatever the tile width, so
+    ``default_config`` may pick it from the batch. The K step and the K splits are the reduction order: fixed."""
 
     block_m: int = 16  # pairs per tile: decode batches put a few pairs on each expert
     block_n: int = 32  # output columns per program (a multiple of 32: whole FP8 blocks of the activation)
@@ -99,6 +101,15 @@ class MoEGemmConfig:
 
 
 DEFAULT_CONFIG = MoEGemmConfig()
+WIDE_TILE = dataclasses.replace(DEFAULT_CONFIG, block_m=32)
+
+
+def default_config(n_tokens: int, top_k: int, n_experts: int) -> MoEGemmConfig:
+    """block_m 32 once the experts get >= 16 pairs each on average, else 16: fewer tiles decode each expert's
+    weights fewer times (flash-16e, 64 decode rows, 24 pairs per expert: 70.6 vs 75.6 ms per step on the H200;
+    8 rows: within 0.4%). Batch invariance holds across the switch (tests/kernels/test_moe_grouped_gemm.py
+    ``test_real_geometry_gpu``, tests/engine/test_batch_invariance_gpu.py)."""
+    return WIDE_TILE if n_tokens * top_k >= 16 * n_experts else DEFAULT_CONFIG
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import torch
 import triton
 
 from flashtier.kernels._moe_combine_triton import moe_combine_triton
-from flashtier.kernels._moe_grouped_gemm_triton import DEFAULT_CONFIG, MoEGemmConfig, launch_moe_gemm
+from flashtier.kernels._moe_grouped_gemm_triton import DEFAULT_CONFIG, MoEGemmConfig, default_config, launch_moe_gemm
 from flashtier.kernels._quant_common import resolve_on_device
 from flashtier.kernels.moe_align import moe_align
 from flashtier.kernels.moe_grouped_gemm_ref import moe_grouped_ffn_reference
@@ -88,8 +88,8 @@ def moe_grouped_ffn(
 ) -> torch.Tensor:
     """Routed + shared experts for ``x [N, D]`` (see the module docstring): ``y [N, D]``.
 
-    ``config`` overrides the Triton launch shape and K splits (tests and benchmarks; keep it fixed in a
-    deployment: a token's bits depend on it, never on the batch).
+    ``config`` overrides the Triton launch shape and K splits (tests and benchmarks); by default the M tile
+    follows the batch (``default_config``), the K order never does.
 
     Example (one flash-16e layer on the GPU)::
 
@@ -99,9 +99,9 @@ def moe_grouped_ffn(
     impl = _validate(x, idx, route_w, experts, shared, limit, impl)
     if impl == "reference":
         return moe_grouped_ffn_reference(x, idx, route_w, experts, shared, float(limit))
-    cfg = config or DEFAULT_CONFIG
     n, dim = x.shape
     k = idx.shape[1]
+    cfg = config or default_config(n, k, experts.n_experts)
     dev = x.device
     xq = fp8_qdq(x.contiguous(), impl="triton")  # fp32, the same bits as the reference's
     al = moe_align(idx, experts.n_experts, cfg.block_m, impl="triton")

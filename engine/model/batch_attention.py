@@ -41,6 +41,7 @@ class RowSlots:
     opened: dict[int, list[PartialGroup]] = field(default_factory=dict)  # source -> groups opened this step
     # DenseWrites parts: source -> (kv, z) [T, hd] of every row (the caller opens the groups of even positions)
     opened_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    no_selection: tuple[torch.Tensor, torch.Tensor] | None = None  # ratio-0 layers: ids -1 [T, 1], counts 0 [T]
 
 
 def indexer_impl(index_width: int) -> str:
@@ -80,11 +81,14 @@ def attend_rows(
     """
     role, attn, layer = block.role, block.attn, block.role.index
     records = pack_fp8_record(*quantize_fp8(kv_raw.float()))
-    t = rows.num_rows
-    sel_idx = torch.full((t, 1), -1, dtype=torch.int32, device=q.device)
-    counts = torch.zeros(t, dtype=torch.int32, device=q.device)
-    pool = views.main[next(iter(views.main))]
-    if role.ratio > 0:
+    if role.ratio == 0:  # window only: no global entry selected (made once per step, not per layer)
+        if slots.no_selection is None:
+            t = rows.num_rows
+            slots.no_selection = (torch.full((t, 1), -1, dtype=torch.int32, device=q.device),
+                                  torch.zeros(t, dtype=torch.int32, device=q.device))
+        sel_idx, counts = slots.no_selection
+        pool = views.main[next(iter(views.main))]
+    else:
         if encoder and role.role == "full" and layer in rows.writes:
             w = rows.writes[layer]
             if isinstance(w, DenseWrites):

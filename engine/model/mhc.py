@@ -43,8 +43,9 @@ def hc_mixes(
     """Coefficients from the residual streams ``x`` [T, hc, D]."""
     t, hc, d = x.shape
     flat = up(x).reshape(t, hc * d)
-    m = linear_up(flat, fn) * torch.rsqrt(mean_square(flat)[:, None] + norm_eps)
-    pre, post, c = mhc_coeffs(m, base, scale, hc=hc, hc_eps=hc_eps, iters=sinkhorn_iters)
+    # m = (flat @ fn^T) * rsqrt(mean(flat^2) + eps): the factor is applied inside mhc_coeffs' launch
+    pre, post, c = mhc_coeffs(linear_up(flat, fn), base, scale, hc=hc, hc_eps=hc_eps, iters=sinkhorn_iters,
+                              ms=mean_square(flat), norm_eps=norm_eps)
     return HcMix(pre, post, c)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from flashtier.engine.model.numerics import up
-from flashtier.kernels.row_reduce import mean_square
+from flashtier.kernels.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +17,5 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = up(x)
-        # mean_square: a batch-invariant row sum on CUDA (torch's mean splits a row by the row count)
-        return x * torch.rsqrt(mean_square(x)[..., None] + self.eps) * up(self.weight)
+        # one batch-invariant Triton launch on CUDA (kernels/rms_norm.py), the torch expression elsewhere
+        return rms_norm(up(x), self.weight, self.eps)

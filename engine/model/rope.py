@@ -15,6 +15,7 @@ import torch
 
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.model.numerics import up
+from flashtier.kernels.rope import rope_rotate
 
 
 def _yarn_correction_dim(n_rot: float, dim: int, base: float, orig_len: int) -> float:
@@ -54,28 +55,15 @@ class Rope:
             self._cached[key] = self.freqs.to(device=device, dtype=dtype)
         return self._cached[key]
 
-    def cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        ang = pos.to(dtype)[..., None] * self._freqs(pos.device, dtype)
-        return torch.cos(ang), torch.sin(ang)
-
     def apply(self, x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last ``rope_dim`` channels of ``x`` [T, (H,) D] by ``pos`` [T].
 
-        Tokens are the first axis; any middle axes (heads) broadcast. Returns a new fp32 tensor;
-        ``inverse`` rotates by ``-pos`` (undoes the rotation).
+        Tokens are the first axis; any middle axes (heads) broadcast. Returns a new fp32 tensor (float64 for
+        float64 x); ``inverse`` rotates by ``-pos`` (undoes the rotation). One Triton launch on CUDA
+        (``kernels/rope.py``), the torch expression elsewhere.
         """
         x = up(x)
-        cos, sin = self.cos_sin(pos, x.dtype)  # [T, R/2]
-        shape = (pos.shape[0],) + (1,) * (x.dim() - 2) + (self.rope_dim // 2,)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if inverse:
-            sin = -sin
-        nope, rot = x[..., : -self.rope_dim], x[..., -self.rope_dim :]
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        ra = a * cos - b * sin
-        rb = a * sin + b * cos
-        out = torch.stack((ra, rb), dim=-1).flatten(-2)
-        return torch.cat((nope, out), dim=-1)
+        return rope_rotate(x, pos, self._freqs(pos.device, x.dtype), self.rope_dim, inverse=inverse)
 
 
 def make_rope(cfg: ModelConfig, yarn: bool) -> Rope:

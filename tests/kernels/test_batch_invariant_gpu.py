@@ -17,6 +17,7 @@ from flashtier.kernels.fp8_gemm import Fp8GemmConfig, act_quant, fp8_gemm
 from flashtier.kernels.fp8_weight import quantize_fp8_weight
 from flashtier.kernels.invariant_linear import LinearConfig, linear
 from flashtier.kernels.mhc_streams import hc_collapse, hc_expand
+from flashtier.kernels.rms_norm import rms_norm
 from flashtier.kernels.row_reduce import mean_square, row_sum
 
 pytestmark = [
@@ -85,6 +86,8 @@ def test_row_reductions(d):
     x = _rows(d)
     _assert_invariant(row_sum, x, f"row_sum D={d}")
     _assert_invariant(mean_square, x, f"mean_square D={d}")
+    w = torch.rand(d, device="cuda") + 0.5
+    _assert_invariant(lambda rows: rms_norm(rows, w, 1e-6), x, f"rms_norm D={d}")
 
 
 def test_mhc_streams():

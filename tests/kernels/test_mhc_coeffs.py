@@ -70,3 +70,15 @@ def test_triton_matches_reference_gpu(t):
     m, base, scale = _case(t, seed=t, device="cuda")
     _assert_close(mhc_coeffs(m, base, scale, hc=HC, hc_eps=EPS, iters=ITERS),
                   mhc_coeffs_reference(m, base, scale, HC, EPS, ITERS))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
+def test_the_rms_factor_inside_the_launch():
+    """``ms`` given: the kernel applies ``rsqrt(ms + eps)`` to m as it reads it; the reference multiplies first."""
+    m, base, scale = _case(17, seed=8)
+    ms = torch.rand(17, generator=torch.Generator().manual_seed(9)) * 4 + 0.1
+    want = mhc_coeffs_reference(m * torch.rsqrt(ms[:, None] + 1e-6), base, scale, HC, EPS, ITERS)
+    _assert_close(mhc_coeffs(m, base, scale, hc=HC, hc_eps=EPS, iters=ITERS, ms=ms, norm_eps=1e-6, impl="triton"), want)
+    _assert_close(mhc_coeffs(m, base, scale, hc=HC, hc_eps=EPS, iters=ITERS, ms=ms, norm_eps=1e-6), want)
+    with pytest.raises(AssertionError):  # the factor matters: leaving it out is caught
+        _assert_close(mhc_coeffs(m, base, scale, hc=HC, hc_eps=EPS, iters=ITERS, impl="triton"), want)
