@@ -3,26 +3,40 @@
     asyncio side (server)                         engine thread
     generate() --AddCommand(future)--> commands --> add_request (errors go back through the future)
     abort()    --AbortCommand--------> commands --> abort
-    queue.get() <-- call_soon_threadsafe ------- step() outputs
+    queue.get() <-- call_soon_threadsafe ------- step() outputs, one wake-up per loop and step (OutputHandoff)
 The engine object is touched only by the engine thread. ``stats()`` reads counters without a lock
-(a slightly stale snapshot is fine for metrics).
+(a slightly stale snapshot is fine for metrics). The engine thread sleeps on one event while there is
+nothing to do: no request, or a step that ran nothing (``Engine.stalled``: every request waits on a tier
+lookup). Commands and finished lookups (``Engine.set_wake``) set it; a step loop that spun instead would
+hold the GIL against the lookup's reader threads and multiply the restore's time.
+
+A step's outputs reach the loop in one ``call_soon_threadsafe`` per loop (each is a self-pipe write that
+releases the GIL: one per request let the loop start formatting after the first and made the engine thread
+wait for the GIL at each of the others). While decode steps wait on the device longer than their host work
+takes (CUDA graphs), a step's outputs are handed over once the next step has queued its forward
+(``OutputHandoff``): the loop formats them while the device computes instead of competing with the next
+step's host work for the GIL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from flashtier.engine.engine import Engine
+from flashtier.engine.output_handoff import OutputHandoff
 from flashtier.engine.outputs import EngineStats, RequestOutput
 from flashtier.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("flashtier.engine")
+
+IDLE_WAIT_S = 0.05  # longest sleep without a wake-up (a safety net: commands and lookups set the event)
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,8 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Implements ``EngineClient`` over a synchronous ``Engine``."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.perf_counter):
+        """``clock``: what ``OutputHandoff`` times steps with (tests pass a manual one)."""
         self.engine = engine
         self._commands: deque[Command] = deque()
         self._wake = threading.Event()
@@ -65,6 +80,10 @@ class AsyncEngine:
         self._stop = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="flashtier-engine", daemon=True)
+        self.idle_wait_s = IDLE_WAIT_S
+        engine.set_wake(self._wake.set)
+        self._handoff = OutputHandoff(self._deliver, clock)
+        engine.set_handoff_hook(self._handoff.point)
 
     # ---- EngineClient ---------------------------------------------------------------------------
     @property
@@ -153,33 +172,53 @@ class AsyncEngine:
         else:
             command.loop.call_soon_threadsafe(_settle, command.added, None)
 
-    def _dispatch(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            self._streams.pop(out.request_id, None)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Route outputs to their streams' queues: one ``call_soon_threadsafe`` per event loop. Forgets the
+        streams of finished requests. A closed loop (its caller is gone) is skipped."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody is reading these queues
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _run(self) -> None:
         while not self._stop:
+            # cleared before the state is read: a command or a finished lookup after this point sets it
+            # again, so the waits below can only miss nothing
+            self._wake.clear()
             while self._commands:
                 self._apply(self._commands.popleft())
             if not self.engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
+                self._wake.wait(self.idle_wait_s)
                 continue
+            self._handoff.begin_step()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug in a step: fail every request rather than hang them
                 log.exception("engine step failed; failing all in-flight requests")
+                self._handoff.flush()  # the last step's outputs come before the error
                 self._error = exc
                 for stream in list(self._streams.values()):
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
                 self._streams.clear()
                 return
-            for out in outputs:
-                self._dispatch(out)
+            stalled = self.engine.stalled
+            self._handoff.end_step(outputs, next_step_now=not (stalled or self._stop)
+                                   and self.engine.has_unfinished())
+            if stalled:  # only a finished lookup or a command can change anything now
+                self._wake.wait(self.idle_wait_s)
+        self._handoff.flush()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:

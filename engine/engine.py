@@ -6,20 +6,23 @@
              drafter.after_step(...)                        speculative only: DSpark drafts for the next step
              -> one RequestOutput per request touched (+ the aborted ones)
 
-Single-threaded and unit-testable: ``AsyncEngine`` runs ``step()`` on its own thread. Text never
-reaches here; requests are token ids with ``SamplingParams``.
+Single-threaded and unit-testable: ``AsyncEngine`` runs ``step()`` on its own thread, and sleeps while
+``stalled`` (nothing ran and nothing runs: only a finished tier lookup, ``set_wake``'s callback, or a new
+request or abort can change anything). Text never reaches here; requests are token ids with ``SamplingParams``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 import torch
 
 from flashtier.engine.client import QueueFullError
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.decode_graphs import DecodeGraphs
+from flashtier.engine.decode_step import is_plain_decode
 from flashtier.engine.engine_stats import spec_fields, tier_stats
 from flashtier.engine.kv_manager import KVManager, SequenceSpec
 from flashtier.engine.model.transformer import Transformer
@@ -111,6 +114,10 @@ class Engine:
         )
         self._aborted: list[Request] = []
         self.prompt_tokens = 0
+        # the last step scheduled nothing, preempted nothing and no request is running: until a tier
+        # lookup finishes or a request is added or aborted, another step would do nothing either
+        self.stalled = False
+        self._handoff: Callable[[bool], None] | None = None
 
     @property
     def pool(self) -> BlockPool:
@@ -157,11 +164,32 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests or self._aborted)
 
+    def set_wake(self, wake: Callable[[], None] | None) -> None:
+        """``wake()`` is called, on the tier I/O thread, whenever a resume lookup started from now on
+        finishes (a driver loop sleeping while ``stalled`` wakes on it). It must be thread-safe, quick
+        and must not touch the engine; an exception it raises is logged by the future and ignored.
+        Mutates the scheduler's hook."""
+        self.scheduler.on_lookup_done = wake
+
+    def set_handoff_hook(self, hook: Callable[[bool], None] | None) -> None:
+        """``hook(queued)`` is called once inside every ``step()``, on the stepping thread, where a driver may hand
+        the previous step's outputs on (AsyncEngine: output_handoff.py): in a plain decode step once its forward
+        is queued, before postprocessing waits for the device (``queued=True``); in any other step before its
+        forward (``queued=False``: prefill and replay forwards run eagerly, long host work nothing should wait
+        through). It must be quick and must not raise (the step would stop half done). Mutates only the hook."""
+        self._handoff = hook
+
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, postprocess. Returns the outputs of every request touched."""
         sched = self.scheduler.schedule()
+        self.stalled = sched.empty and not sched.preempted and not self.scheduler.running
+        plain = self._handoff is not None and is_plain_decode(sched)
+        if self._handoff is not None and not plain:
+            self._handoff(False)
         result = self.runner.execute(sched)
+        if plain:
+            self._handoff(True)
         touched = self.postprocessor.process(sched, result)
         if self.drafter is not None:
             self.drafter.after_step(sched, result)

@@ -17,13 +17,17 @@ A prefix hit admits a request with encoder bounded replay (plan (c) of the oracl
                                               [ replay   ][ new tokens     ]  encoder, window from R-W
 Hits shorter than the window are not used (R >= W is required to replay). With tiers, admission pins
 every HBM hit and starts a lookup; the request waits in LOADING (never blocking a step) until the
-lookup is done and ``resume.py`` installs SSD blocks and a snapshot.
+lookup is done and ``resume.py`` installs SSD blocks and a snapshot. A finished lookup calls
+``on_lookup_done`` (from the tier I/O thread): the engine loop sleeps while nothing can run and wakes
+on it, rather than stepping idly: an idle step loop holds the GIL and starves the lookup's reader
+threads, each of which then waits a whole switch interval (5 ms) for it after every release.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +74,9 @@ class Scheduler:
         self.loading: list[Request] = []
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        # called with no arguments when a lookup this scheduler started finishes, on the tier I/O thread
+        # (or here, if it finished before the callback was added): it must only wake the engine loop
+        self.on_lookup_done: Callable[[], None] | None = None
 
     # ---- queue ------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -179,6 +186,8 @@ class Scheduler:
             seq.kv.table.replace(matched)
             req.hashes, req.hbm_blocks = hashes, len(matched)
             req.lookup = self.tiers.start_lookup(req)
+            if self.on_lookup_done is not None:
+                req.lookup.add_done_callback(lambda _f, wake=self.on_lookup_done: wake())
             transition(req, S.LOADING)
             return
         r = len(matched) * bs

@@ -3,8 +3,10 @@
 It accepts exactly what ``decode_record(buf, key)`` accepts followed by the reader's length check (magic,
 version, flags, key, length, a finite ``created_at``, both checksums), but works on views of a larger
 read buffer: no ``RecordHeader`` or ``BlockHash`` is built and nothing is copied, so a restore of
-thousands of records spends its time in the two crc32c calls (which release the GIL on large buffers),
-not in per-record Python objects. The header byte map is ssd_record.py's;
+thousands of records spends its time in the two crc32c calls, not in per-record Python objects. Both keep
+the GIL (``gil_release_mode=0``): a block's crc takes microseconds, and releasing the GIL for it (the
+library's default above 32 KiB) lets a busy engine thread take it, after which the reader waits a whole
+switch interval (5 ms) to get it back, once per record. The header byte map is ssd_record.py's;
 tests/kvstore/test_ssd_read_check.py holds the two checks to the same verdict on every byte flip.
 
 Pure function; safe from any thread.
@@ -33,5 +35,6 @@ def record_intact(head: bytes | bytearray | memoryview, at: int, payload: memory
         return False
     magic, version, flags, key, n, created_at, p_crc, h_crc = _HEADER.unpack_from(head, at)
     return (magic == MAGIC and key == digest and n == length and version == RECORD_VERSION and flags == 0
-            and math.isfinite(created_at) and crc32c.crc32c(memoryview(head)[at : at + _CRC_SPAN]) == h_crc
-            and crc32c.crc32c(payload) == p_crc)  # fmt: skip
+            and math.isfinite(created_at)
+            and crc32c.crc32c(memoryview(head)[at : at + _CRC_SPAN], gil_release_mode=0) == h_crc
+            and crc32c.crc32c(payload, gil_release_mode=0) == p_crc)  # fmt: skip

@@ -74,3 +74,24 @@ def test_an_empty_payload_is_a_record_too():
     k = key(6)
     raw = encode_record(k, b"", 1.0)
     assert new_verdict(raw, k, 0) and old_verdict(raw, k, 0)
+
+
+def test_the_checksums_keep_the_gil(monkeypatch):
+    """Both crc32c calls pass gil_release_mode=0, also for a block-sized payload (the library releases the GIL
+    from 32 KiB by default): a release per record lets a busy engine thread take the GIL, and the reader then
+    waits up to a switch interval (5 ms) per record to get it back."""
+    import flashtier.kvstore.ssd_read_check as check
+
+    modes = []
+
+    class Recording:
+        @staticmethod
+        def crc32c(data, value=0, gil_release_mode=-1):
+            modes.append(gil_release_mode)
+            return crc32c.crc32c(data, value, gil_release_mode)
+
+    monkeypatch.setattr(check, "crc32c", Recording)
+    k, n = key(8), 56960  # one block of the real geometry
+    raw = encode_record(k, bytes(range(256)) * (n // 256) + bytes(n % 256), 3.0)
+    assert new_verdict(raw, k, n)
+    assert modes == [0, 0]
