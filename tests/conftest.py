@@ -1,4 +1,12 @@
-"""Shared test set-up: Triton kernels run interpreted on the CPU, and torch stays deterministic."""
+"""Shared test set-up: Triton kernels run interpreted on the CPU, and torch stays deterministic.
+
+Scheduling under ``make test`` (``-n 2 --dist loadgroup --no-loadscope-reorder``): every test gets an xdist
+group, so that a file's tests stay on one worker (module fixtures, servers, are built once) and the ``slow``
+tests form ONE group, run one after another on one worker (two fault suites at once starve each other's
+timing windows) while the other worker takes the files. The groups are queued heaviest first, so no long
+file starts last and leaves a core idle at the end. ``serial`` tests are not run there: they need an
+otherwise idle machine and get a pass of their own.
+"""
 
 import os
 
@@ -12,8 +20,68 @@ import torch  # noqa: E402
 # intra-op thread spins instead of working (measured 5-10x slower float64 tests under load).
 torch.set_num_threads(1)
 
+SLOW_GROUP = "slow"
+
+# The files that keep a worker busy longest: seconds of one file alone (CPU of its processes, one file at a time on
+# the shared 2-core machine). A file not listed is queued after these in collection order. Only the order of the
+# queue depends on these numbers, never a result: xdist's default queues the files with the most tests first,
+# which puts these (few tests, long ones) last, where one of them keeps a worker busy while the other idles.
+HEAVY_FILES = {
+    "tests/engine/test_engine.py": 330,
+    "tests/server/test_api_tiers.py": 270,
+    "tests/kernels/test_indexer_topk.py": 140,
+    "tests/engine/test_speculative.py": 130,
+    "tests/engine/test_tiers.py": 120,
+    "tests/engine/test_oracle.py": 120,
+    "tests/server/test_api_schemathesis.py": 115,
+    "tests/engine/test_parallel_forward.py": 110,
+    "tests/kernels/test_sparse_mqa.py": 105,
+    "tests/server/test_settings_checks.py": 110,
+    "tests/server/test_parallel_serve.py": 100,
+    "tests/engine/test_decode_graphs.py": 80,
+    "tests/engine/test_parallel_executor.py": 75,
+    "tests/engine/test_structured_output.py": 60,
+    "tests/engine/test_batched_forward.py": 50,
+}
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def _group(item: pytest.Item) -> str:
+    return SLOW_GROUP if item.get_closest_marker("slow") else item.nodeid.split("::", 1)[0]
+
+
+def _join_group(item: pytest.Item, group: str) -> None:
+    """Rename the test ``<nodeid>@<group>``: the name xdist's loadgroup scheduler reads the group from. xdist
+    3.8's own renaming (for ``xdist_group`` markers) writes ``Item._nodeid``, which pytest 9 no longer reads
+    (the id lives in ``Item._id``), so its groups silently fall apart into single tests; this one takes."""
+    name = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):
+        item._id = type(item._id).parse(name)
+    else:
+        item._nodeid = name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--dist loadgroup``: group every test, the slow ones together, the others by file, and order the
+    groups heaviest first (see the module doc). Mutates ``items`` (their order and node ids, which end in
+    ``@<group>`` as xdist's own groups do); without loadgroup it leaves them alone."""
+    if not config.getoption("loadgroup", False):  # what xdist sets in a worker for --dist loadgroup
+        return
+    groups = {id(item): _group(item) for item in items}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(groups[id(item)], i)
+
+    def weight(item: pytest.Item) -> tuple[int, float, int]:
+        group = groups[id(item)]
+        return (0 if group == SLOW_GROUP else 1, -HEAVY_FILES.get(group, 0), first_seen[group])
+
+    items.sort(key=weight)  # stable: a group's tests keep their order
+    for item in items:
+        _join_group(item, groups[id(item)])

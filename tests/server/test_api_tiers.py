@@ -13,10 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
+
+from flashtier.engine.model.loader import demo_checkpoint
 
 from ..kvstore.redis_server import RedisServer, free_port
 
@@ -25,27 +28,41 @@ W = 16  # the tiny preset's window
 
 
 class Server:
-    def __init__(self, cache_dir, *args: str):
+    """`python -m flashtier.server.cli serve` on a free loopback port; torch on one thread (OMP_NUM_THREADS=1:
+    two servers share the 2 CI cores, and a second intra-op thread per process only spins). ``wait=False``
+    returns at once (call ``wait_healthy``), so that two servers start side by side."""
+
+    def __init__(self, cache_dir, *args: str, wait: bool = True, budget: int = 1024):
         self.port = free_port()
         cmd = [sys.executable, "-m", "flashtier.server.cli", "serve", "--port", str(self.port), "--dtype",
                "float64", "--block-size", str(BS), "--num-blocks", "600", "--cache-dir", str(cache_dir),
-               "--max-num-batched-tokens", "1024", "--log-level", "warning", *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+               "--max-num-batched-tokens", str(budget), "--log-level", "warning", *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.healthy = False
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> Server:
+        """Until /health answers 200 (``complete`` calls it first on a server started with ``wait=False``)."""
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
+                    self.healthy = True
+                    return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.1)
+        self.kill()
         raise RuntimeError("server did not become healthy")
 
     def complete(self, prompt: list[int], max_tokens: int = 8, headers: dict | None = None, **extra) -> dict:
+        if not self.healthy:
+            self.wait_healthy()
         r = httpx.post(self.url + "/v1/completions", timeout=600, headers=headers, json={
             "model": "flashtier-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, **extra})
@@ -78,6 +95,15 @@ def _chunk(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One --cache-dir for every server of the module: the demo checkpoint is written once (seconds of CPU
+    per server otherwise). Each test keeps its own --kv-dir."""
+    path = tmp_path_factory.mktemp("tiers-cache")
+    demo_checkpoint(path / "models")  # before any server starts: two starting side by side would both write it
+    return path
+
+
+@pytest.fixture(scope="module")
 def redis():
     server = RedisServer().start()
     yield server
@@ -85,9 +111,12 @@ def redis():
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    """The reference: a server with prefix caching and persistence off."""
-    server = Server(tmp_path_factory.mktemp("cold"), "--no-prefix-caching", "--no-kv-persist")
+def cold(cache_dir):
+    """The reference: a server with prefix caching and persistence off; not waited for here (its start-up
+    overlaps the tested server's, its first request waits for it). It prefills in chunks of 256 tokens: a
+    cold run's tokens do not depend on the chunking (tests/engine/test_engine.py checks chunked = unchunked),
+    and on the CPU a 1024-token chunk over a long prompt costs twice the time of four 256-token ones."""
+    server = Server(cache_dir, "--no-prefix-caching", "--no-kv-persist", wait=False, budget=256)
     yield server
     server.stop()
 
@@ -97,39 +126,47 @@ def _wait_persisted(server: Server) -> None:
 
 
 @pytest.mark.slow
-def test_four_turn_conversation_past_8k_tokens_resumes_exactly(tmp_path, redis, cold):
-    srv = Server(tmp_path, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
+def test_four_turn_conversation_past_8k_tokens_resumes_exactly(cache_dir, tmp_path, redis, cold):
+    """Each turn's cold reference runs on the cold server while the server under test answers that turn and
+    the next ones (the prompts depend only on the tested server's answers), so the two processes work on
+    the two cores side by side; every turn's tokens are still compared with its cold run."""
+    srv = Server(cache_dir, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
+    refs, outs = [], []
     try:
-        prompt = _chunk(2200, seed=1)
-        previous = None
-        for turn in range(4):
-            got = srv.complete(prompt)
-            choice = got["choices"][0]
-            assert choice["token_ids"] == cold.complete(prompt)["choices"][0]["token_ids"], f"turn {turn}"
-            usage = got["usage"]
-            if previous is not None:
-                # everything fed last turn is cached: prompt + output minus the last sample (never fed)
-                assert usage["prompt_tokens_details"]["cached_tokens"] == previous - 1
-                tiers = usage["flashtier"]["cached_tokens_by_tier"]
-                assert tiers["hbm"] + tiers["ssd"] + tiers["snapshot"] == previous - 1
-                assert usage["flashtier"]["computed_tokens"] == len(prompt) - (previous - 1)
-            previous = len(prompt) + len(choice["token_ids"])
-            prompt = prompt + choice["token_ids"] + _chunk(2100, seed=10 + turn)
+        with ThreadPoolExecutor(4, thread_name_prefix="cold") as pool:
+            prompt = _chunk(2200, seed=1)
+            previous = None
+            for turn in range(4):
+                refs.append(pool.submit(cold.complete, prompt))
+                got = srv.complete(prompt)
+                choice = got["choices"][0]
+                outs.append(choice["token_ids"])
+                usage = got["usage"]
+                if previous is not None:
+                    # everything fed last turn is cached: prompt + output minus the last sample (never fed)
+                    assert usage["prompt_tokens_details"]["cached_tokens"] == previous - 1
+                    tiers = usage["flashtier"]["cached_tokens_by_tier"]
+                    assert tiers["hbm"] + tiers["ssd"] + tiers["snapshot"] == previous - 1
+                    assert usage["flashtier"]["computed_tokens"] == len(prompt) - (previous - 1)
+                previous = len(prompt) + len(choice["token_ids"])
+                prompt = prompt + choice["token_ids"] + _chunk(2100, seed=10 + turn)
+            for turn, (ref, out) in enumerate(zip(refs, outs)):
+                assert out == ref.result()["choices"][0]["token_ids"], f"turn {turn}"
         assert previous > 8000
         assert srv.metric("flashtier_snapshot_lookup_hit") >= 3
     finally:
         srv.stop()
 
 
-def test_restart_after_sigkill_resumes_from_ssd_and_snapshot(tmp_path, redis, cold):
+def test_restart_after_sigkill_resumes_from_ssd_and_snapshot(cache_dir, tmp_path, redis, cold):
     kv = str(tmp_path / "kv")
-    srv = Server(tmp_path, "--kv-dir", kv, "--redis-url", redis.url)
+    srv = Server(cache_dir, "--kv-dir", kv, "--redis-url", redis.url)
     prompt = _chunk(700, seed=2)
     first = srv.complete(prompt)["choices"][0]["token_ids"]
     _wait_persisted(srv)
     srv.kill()
     prompt = prompt + first + _chunk(100, seed=3)
-    srv = Server(tmp_path, "--kv-dir", kv, "--redis-url", redis.url)
+    srv = Server(cache_dir, "--kv-dir", kv, "--redis-url", redis.url)
     try:
         got = srv.complete(prompt)
         usage = got["usage"]
@@ -144,7 +181,7 @@ def test_restart_after_sigkill_resumes_from_ssd_and_snapshot(tmp_path, redis, co
         srv.stop()
 
 
-def test_tenants_share_no_cache_in_any_tier(tmp_path, redis):
+def test_tenants_share_no_cache_in_any_tier(cache_dir, tmp_path, redis):
     """`--cache-isolation per-key`: tenant B (its own key) gets no cached token for tenant A's prompt in HBM,
     on the SSD or from the snapshot pool, even sending A's very salt; a second salt within A's key is its own
     namespace too (cache_salt isolation); A's repeat is served from HBM, and after a restart from SSD + the
@@ -158,7 +195,7 @@ def test_tenants_share_no_cache_in_any_tier(tmp_path, redis):
         return usage["prompt_tokens_details"]["cached_tokens"], t["hbm"], t["ssd"], t["snapshot"]
 
     args = ("--kv-dir", kv, "--redis-url", redis.url, "--api-key", "key-a,key-b", "--cache-isolation", "per-key")
-    srv = Server(tmp_path, *args)
+    srv = Server(cache_dir, *args)
     hbm_prompt, prompt = _chunk(200, seed=20), _chunk(300, seed=21)
     try:
         assert tiers(srv.complete(hbm_prompt, max_tokens=1, headers=a, cache_salt="s"))[0] == 0
@@ -171,7 +208,7 @@ def test_tenants_share_no_cache_in_any_tier(tmp_path, redis):
     finally:
         srv.kill()
     prompt = prompt + first + _chunk(50, seed=22)
-    srv = Server(tmp_path, *args)
+    srv = Server(cache_dir, *args)
     try:
         assert tiers(srv.complete(prompt, max_tokens=1, headers=b, cache_salt="s")) == (0, 0, 0, 0)
         assert tiers(srv.complete(prompt, max_tokens=1, headers=a, cache_salt="t")) == (0, 0, 0, 0)
@@ -181,13 +218,13 @@ def test_tenants_share_no_cache_in_any_tier(tmp_path, redis):
         srv.stop()
 
 
-def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(tmp_path, redis):
+def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(cache_dir, tmp_path, redis):
     from flashtier.engine.model.loader import load_model
     from flashtier.engine.model.reference import Plan, reference_forward
     from flashtier.server.engram_map import engram_token_map
     from flashtier.server.tokenizer import Tokenizer
 
-    srv = Server(tmp_path, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
+    srv = Server(cache_dir, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
     try:
         prompt = _chunk(300, seed=4)
         first = srv.complete(prompt)["choices"][0]["token_ids"]
@@ -209,7 +246,7 @@ def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(tmp_path, re
         assert srv.metric("flashtier_prompt_tokens_replayed") > 0
     finally:
         srv.stop()
-    model = load_model(tmp_path / "models" / "demo-tiny-seed0", dtype=torch.float64, with_dspark=False,
+    model = load_model(cache_dir / "models" / "demo-tiny-seed0", dtype=torch.float64, with_dspark=False,
                        progress=False).double()
     tok = Tokenizer()
     model.set_token_map(engram_token_map(tok, model.cfg.vocab_size, model.cfg.engram_compressed_vocab)[0])
@@ -218,10 +255,10 @@ def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(tmp_path, re
     assert torch.argmax(ref.logits, -1).tolist() == toks
 
 
-def test_a_retried_turn_does_not_poison_the_next_one(tmp_path, redis, cold):
+def test_a_retried_turn_does_not_poison_the_next_one(cache_dir, tmp_path, redis, cold):
     """The A, A, B reproducer over HTTP: the repeated A replays (its window is approximate, reported as
     resume=replay) and must not replace A's exact snapshots, so B equals a cold run of B."""
-    srv = Server(tmp_path, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
+    srv = Server(cache_dir, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
     try:
         a = _chunk(134, seed=20)
         first = srv.complete(a)["choices"][0]["token_ids"]
