@@ -8,6 +8,7 @@ file starts last and leaves a core idle at the end. ``serial`` tests are not run
 otherwise idle machine and get a pass of their own.
 """
 
+import logging
 import os
 
 # Must be set before any Triton kernel module is imported.
@@ -49,6 +50,18 @@ HEAVY_FILES = {
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """An in-process ``main(["serve", ...])`` installs a stderr handler (pytest's capture, closed after the test) and
+    an INFO level on the root logger; undone here so a later test on the same worker sees neither."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
 
 
 def _group(item: pytest.Item) -> str:

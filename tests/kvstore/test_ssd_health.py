@@ -132,6 +132,7 @@ def test_start_up_logs_one_scan_summary(open_store, clock, tmp_path, caplog):
         f.write(bytes(30))  # zero fill: a torn tail
     clock.advance(100.0)
     caplog.set_level(logging.INFO, logger=SSD_LOG)
+    caplog.clear()  # only the re-open's lines
     s2 = open_store()
     lines = [r for r in caplog.records if r.name == SSD_LOG]
     assert [r.levelname for r in lines] == ["INFO"]
