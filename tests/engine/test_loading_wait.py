@@ -12,9 +12,6 @@ import concurrent.futures
 import threading
 import time
 
-import pytest
-import torch
-
 from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
@@ -28,14 +25,6 @@ BS = 16
 HOLD_S = 0.4  # how long the gate keeps the lookup open
 WAIT_S = 0.05  # the loop's safety-net timeout during the hold
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class GatedTiers(TierManager):

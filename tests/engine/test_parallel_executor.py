@@ -25,7 +25,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from flashtier.engine.async_engine import EngineDeadError
 from flashtier.engine.config import EngineConfig
@@ -114,7 +113,6 @@ def model() -> Transformer:
 
 @pytest.fixture(scope="module")
 def client():
-    torch.set_num_threads(1)
     c = start_parallel_engine(ParallelConfig(tensor_parallel_size=2), CONFIG, KV, seed=5, start_timeout_s=300)
     yield c
     run(c.shutdown(5.0))

@@ -31,7 +31,6 @@ def _moe(seed: int) -> MoE:
 
 @pytest.mark.parametrize("rows", [(9, 0), (5, 3), (0, 0)])
 def test_expert_parallel_replicas_equal_the_moe(rows, tmp_path):
-    torch.set_num_threads(1)
     moe = _moe(seed=3)
     d = moe.gate.weight.shape[1]
     xs = [torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + i))

@@ -74,15 +74,6 @@ def _serve(engine: Engine, prompts: dict[str, list[int]]) -> dict[str, tuple[lis
     return {rid: (tokens[rid], last[rid]) for rid in prompts}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes gain nothing from intra-op threads; on a loaded 2-core machine two threads cost ~15x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
         pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton")]
 

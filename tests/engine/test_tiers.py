@@ -7,7 +7,6 @@ encoder bounded replay must give the oracle's plan (c).
 
 import time
 
-import pytest
 import torch
 
 from flashtier.engine.config import EngineConfig
@@ -22,15 +21,6 @@ from .conftest import random_prompt
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes gain nothing from intra-op threads; on a loaded 2-core machine two threads cost ~15x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _kv(tmp_path, **kw):
