@@ -103,13 +103,12 @@ def _serve_seed(settings: ServerSettings) -> None:
 def _serve(args: argparse.Namespace, engine_factory: EngineClientFactory | None = None) -> int:
     import logging
 
-    import uvicorn
-
-    from flashtier.server.app import create_app
     from flashtier.server.kv_dir_lock import KVDirLock
     from flashtier.server.settings import build_settings
     from flashtier.server.settings_checks import preflight
 
+    # settings first, the app (torch, the tokenizer stack: ~3 s of imports) only once they pass: a bad flag
+    # is one line within a fraction of a second
     settings = build_settings(args, os.environ)
     configure_logging(settings.log_level)
     for warning in preflight(settings):  # SettingsError (a ValueError) ends main() with one line
@@ -117,6 +116,10 @@ def _serve(args: argparse.Namespace, engine_factory: EngineClientFactory | None 
     kv_dir = settings.kvstore.ssd_dir
     kv_lock = KVDirLock.acquire(os.path.abspath(os.path.expanduser(kv_dir))) if kv_dir else None  # KVDirInUse: 2
     try:
+        import uvicorn
+
+        from flashtier.server.app import create_app
+
         _serve_seed(settings)
         app = create_app(settings, engine_factory or _model_engine)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None,
@@ -226,8 +229,5 @@ def main(argv: list[str] | None = None, *, engine_factory: EngineClientFactory |
         return 2
 
 
-if __name__ == "__main__":
-    import torch
-
-    torch.set_grad_enabled(False)
+if __name__ == "__main__":  # as the console script: the runners run without autograd (torch.no_grad)
     sys.exit(main())

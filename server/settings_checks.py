@@ -65,8 +65,8 @@ def preflight(settings: ServerSettings) -> list[str]:
     cfg = check_model(settings)
     check_parallel(settings, cfg)
     if kv.ssd_dir is not None:
+        check_kv_dir(kv.ssd_dir)  # first: the record size needs the engine's KV accounting (seconds of imports)
         check_segment_fits(cfg, kv)
-        check_kv_dir(kv.ssd_dir)
     warnings = []
     if kv.redis_url is not None:
         warning = probe_redis(kv.redis_url)

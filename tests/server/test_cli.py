@@ -46,10 +46,10 @@ def test_inspect_unknown_preset_is_a_clear_error(capsys):
     assert "unknown preset" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("temperature", ["0", "0.8"])
-def test_generate_tiny_is_deterministic(temperature):
+def test_generate_tiny_is_deterministic():
+    """Seeded sampling (greedy would be deterministic with any seed handling): two runs, the same text."""
     args = ("generate", "--preset", "tiny", "--prompt", "Hello, world", "--max-tokens", "8",
-            "--temperature", temperature, "--seed", "3")
+            "--temperature", "0.8", "--seed", "3")
     a, b = _run(*args), _run(*args)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout and a.stdout.strip()
