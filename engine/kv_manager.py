@@ -10,6 +10,7 @@ a model. Not thread-safe: the engine thread owns it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,13 +18,15 @@ from flashtier.engine.block_table import BlockTable
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.paged_entries import PagedEntries
 from flashtier.engine.paged_kv import PagedSequence
-from flashtier.engine.request import Sequence
 from flashtier.engine.ring_arena import RingArena
 from flashtier.engine.window_rings import WindowRings
 from flashtier.kvstore.block_hash import BlockHash, fork_root, hash_block
 from flashtier.kvstore.block_pool import BlockPool, KVBlock
 from flashtier.kvstore.kv_pool import GlobalKVPool
 from flashtier.kvstore.layout import BlockLayout, KVGeometry
+
+if TYPE_CHECKING:  # only annotations: engine.request pulls in the grammar stack (xgrammar, transformers: ~2 s)
+    from flashtier.engine.request import Sequence
 
 
 @dataclass(frozen=True)
