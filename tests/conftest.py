@@ -23,26 +23,26 @@ torch.set_num_threads(1)
 
 SLOW_GROUP = "slow"
 
-# The files that keep a worker busy longest: seconds of one file alone (CPU of its processes, one file at a time on
-# the shared 2-core machine). A file not listed is queued after these in collection order. Only the order of the
-# queue depends on these numbers, never a result: xdist's default queues the files with the most tests first,
-# which puts these (few tests, long ones) last, where one of them keeps a worker busy while the other idles.
+# The files that keep a worker busy longest: seconds of their tests (slow ones excluded) in a `make test` run on
+# 2 idle cores (pytest --junitxml), less the cuts made since. A file not listed is queued after these in collection
+# order. Only the order of the queue depends on these numbers, never a result: xdist's default queues the files
+# with the most tests first, which puts these (few tests, long ones) last, where one of them keeps a worker busy
+# while the other idles.
 HEAVY_FILES = {
-    "tests/engine/test_engine.py": 330,
-    "tests/server/test_api_tiers.py": 270,
-    "tests/kernels/test_indexer_topk.py": 140,
-    "tests/engine/test_speculative.py": 130,
-    "tests/engine/test_tiers.py": 120,
-    "tests/engine/test_oracle.py": 120,
-    "tests/server/test_api_schemathesis.py": 115,
-    "tests/engine/test_parallel_forward.py": 110,
-    "tests/kernels/test_sparse_mqa.py": 105,
-    "tests/server/test_settings_checks.py": 110,
-    "tests/server/test_parallel_serve.py": 100,
-    "tests/engine/test_decode_graphs.py": 80,
-    "tests/engine/test_parallel_executor.py": 75,
-    "tests/engine/test_structured_output.py": 60,
-    "tests/engine/test_batched_forward.py": 50,
+    "tests/engine/test_engine.py": 312,
+    "tests/server/test_api_tiers.py": 262,
+    "tests/kernels/test_indexer_topk.py": 165,
+    "tests/engine/test_speculative.py": 106,
+    "tests/engine/test_oracle.py": 104,
+    "tests/engine/test_tiers.py": 98,
+    "tests/engine/test_parallel_forward.py": 97,
+    "tests/kernels/test_sparse_mqa.py": 84,
+    "tests/server/test_parallel_serve.py": 72,
+    "tests/engine/test_parallel_executor.py": 57,
+    "tests/engine/test_decode_graphs.py": 53,
+    "tests/engine/test_structured_output.py": 38,
+    "tests/kernels/test_moe_split_k.py": 34,
+    "tests/engine/test_batched_forward.py": 32,
 }
 
 
