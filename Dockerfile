@@ -22,21 +22,27 @@ ENV VIRTUAL_ENV=/opt/flashtier \
     PATH=/opt/flashtier/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
-RUN python3 -m venv /opt/flashtier && pip install --no-cache-dir uv==0.13.8
+RUN python3 -m venv /opt/flashtier
 
-# The package, installed (not editable) with the versions pinned in pyproject.toml. torch==2.13.0 from PyPI is
-# its CUDA 13.0 build, which pins triton 3.7.1; the project's kernels are tested with triton 3.8.0, so the
-# override keeps pyproject's pin.
+# The install is the lock, exactly (docs/install.md), as `make serve` does it: torch 2.13.0 from PyPI is its CUDA
+# 13.0 build (which names triton 3.7.1; the project's kernels are tested with 3.8.0, the pin both take), installed
+# by version without its dependencies; uv from the lock's own entry, hash-checked; then every other package from
+# requirements-cuda.lock (it holds the CUDA libraries torch names) with hashes and no resolution; the package last,
+# without dependencies or build isolation (setuptools from the lock).
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements-cuda.lock ./
 COPY flashtier ./flashtier
 COPY server ./server
 COPY engine ./engine
 COPY kvstore ./kvstore
 COPY kernels ./kernels
-RUN echo "triton==3.8.0" > /tmp/overrides.txt \
-    && uv pip install --no-cache --python /opt/flashtier/bin/python --override /tmp/overrides.txt /src \
-    && rm -rf /src /tmp/overrides.txt
+RUN pip install --no-cache-dir --no-deps torch==2.13.0 triton==3.8.0 \
+    && sed -n '/^uv==/,/^[^ ]/{/^uv==/p;/^ /p;}' requirements-cuda.lock > /tmp/uv.txt \
+    && pip install --no-cache-dir --no-deps --require-hashes -r /tmp/uv.txt \
+    && uv pip install --no-cache --python /opt/flashtier/bin/python --require-hashes --no-deps -r requirements-cuda.lock \
+    && uv pip install --no-cache --python /opt/flashtier/bin/python --no-deps --no-build-isolation /src \
+    && uv pip check --python /opt/flashtier/bin/python \
+    && cd / && rm -rf /src /tmp/uv.txt
 
 # A non-root user owns the SSD tier and the cache directory (demo checkpoint); the model is mounted read-only.
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/flashtier flashtier \

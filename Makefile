@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flashtier-installed
 SYS_STAMP := $(VENV)/.system-packages
 
-.PHONY: serve test test-fast venv system clean
+.PHONY: serve test test-fast venv system clean lock
 
 venv: $(STAMP)
 system: $(SYS_STAMP)
@@ -20,16 +20,39 @@ $(SYS_STAMP):
 	fi
 	@mkdir -p $(VENV) && touch $@
 
-# torch first and pinned, through pip: on a machine without CUDA, 2.13.0 is the CPU build on disk (pip's
-# find-links); an open range would pull a multi-GB CUDA build. The rest through uv (pinned, from PyPI), which keeps
-# that torch (2.13.0+cpu satisfies ==2.13.0): 22 s against pip's 203 s for the same ~85 packages (measured once,
-# on a loaded 2-core machine).
-$(STAMP): pyproject.toml
+# The install is the lock, exactly (docs/install.md): torch and triton first, pinned by version and without their
+# dependencies, through pip (on a machine without CUDA, 2.13.0 is the CPU build from pip's configured find-links;
+# uv does not read pip's configuration). Then uv, bootstrapped by pip from the lock's own entry (hash-checked), and
+# every other package from the lock with hashes and without resolution: requirements.lock for the CPU build of
+# torch, requirements-cuda.lock for PyPI's CUDA build (it adds the CUDA libraries torch names). The package itself
+# last, without dependencies or build isolation (setuptools comes from the lock), and `uv pip check` proves the
+# result consistent. An upstream release changes nothing here; `make lock` is the only way in.
+TORCH_PINS := torch==2.13.0 triton==3.8.0
+UV := $(VENV)/bin/uv
+LOCK_FOR_TORCH = $$($(PY) -c "import importlib.metadata as m; print('requirements.lock' if '+cpu' in m.version('torch') else 'requirements-cuda.lock')")
+$(STAMP): pyproject.toml requirements.lock requirements-cuda.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(PY) -m pip install -q torch==2.13.0 triton==3.8.0 numpy==2.4.6 uv==0.13.9
-	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(TORCH_PINS)
+	@sed -n '/^uv==/,/^[^ ]/{/^uv==/p;/^ /p;}' requirements.lock > $(VENV)/uv-bootstrap.txt
+	$(PY) -m pip install -q --no-deps --require-hashes -r $(VENV)/uv-bootstrap.txt
+	lock=$(LOCK_FOR_TORCH) && echo "installing $$lock" && $(UV) pip install -q --python $(PY) --require-hashes --no-deps -r $$lock
+	$(UV) pip install -q --python $(PY) --no-deps --no-build-isolation -e .
+	$(UV) pip check -q --python $(PY)
 	@touch $@
+
+# Refresh both locks on purpose (network: PyPI). UPGRADE="--upgrade" takes the newest releases the pins allow;
+# without it, versions already locked are kept where they still satisfy pyproject.toml.
+UPGRADE ?=
+LOCK_FLAGS = --universal --generate-hashes --extra test --group tools --no-emit-package torch --no-emit-package triton \
+	--python-version 3.11 --quiet $(UPGRADE)
+# uv comes from the venv; without one, the version pyproject.toml's `tools` group pins (the lock may not exist yet).
+lock:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(UV) || $(PY) -m pip install -q "$$(grep -o '"uv==[^"]*"' pyproject.toml | tr -d '"')"
+	$(UV) pip compile pyproject.toml $(LOCK_FLAGS) --custom-compile-command "make lock" -o requirements.lock
+	@echo "triton==3.8.0" > $(VENV)/lock-overrides.txt
+	$(UV) pip compile pyproject.toml $(LOCK_FLAGS) --no-config --override $(VENV)/lock-overrides.txt \
+		--custom-compile-command "make lock" -o requirements-cuda.lock
 
 # The demo server on the embedded defaults: the tiny model with seeded random weights, 127.0.0.1:8000.
 # ARGS go to `flashtier serve`: make serve ARGS="--port 9000"
@@ -48,9 +71,9 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 TEST_ENV = PYTHONDONTWRITEBYTECODE= TRITON_INTERPRET=1
 test: $(STAMP) $(SYS_STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q --durations=15 $(XDIST) -m "not serial and not gpu"
+	$(TEST_ENV) $(PY) -P -m pytest -q --durations=15 $(XDIST) -m "not serial and not gpu"
 	@# exit code 5 = no test carries the marker yet
-	$(TEST_ENV) $(PY) -m pytest -q --durations=15 -m "serial and not gpu" || [ $$? -eq 5 ]
+	$(TEST_ENV) $(PY) -P -m pytest -q --durations=15 -m "serial and not gpu" || [ $$? -eq 5 ]
 
 clean:
 	rm -rf $(VENV) build *.egg-info

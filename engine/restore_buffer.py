@@ -19,8 +19,10 @@ request still LOADING for want of pool blocks, or several lookups in flight) or 
 ``max_bytes``, it hands out a one-off buffer of plain memory, used once and dropped, so a lookup can
 never overwrite a buffer the engine has not consumed. What it does wait for is the device: a copy out
 of pinned memory may still be reading the buffer when ``release`` returns, so the next ``acquire`` of
-that buffer synchronises on the event ``release`` was given. A lease that is dropped unreleased (its
-request was aborted while LOADING) gives its buffer back when it is garbage-collected.
+that buffer synchronises on the event ``release`` was given. A lookup whose request is aborted while
+LOADING is released by the abort (``TierManager.drop_lookup``: at once, or as the read completes); a
+lease dropped unreleased by some other path still gives its buffer back when it is garbage-collected,
+a last resort that no path relies on.
 
 A kept buffer grows (to the restore's size, at least doubling) and never shrinks, up to ``max_bytes``.
 Thread-safe: one small (reentrant) lock over the free list and the counters, never held across a wait

@@ -103,7 +103,8 @@ class Scheduler:
                 seq.finish_reason = FinishReason.ABORT
             seq.swapped = None
             self.kvm.free(seq.kv)
-        req.lookup = None  # a lookup in flight completes on the I/O thread; its result is dropped
+        if self.tiers is not None:  # a lookup in flight completes on the I/O thread and gives its buffer back
+            self.tiers.drop_lookup(req)
         self._finish(req)
         return req
 

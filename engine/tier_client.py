@@ -35,6 +35,13 @@ class TierClient:
                         block_bytes=self.kvm.layout.block_bytes, pin_memory=self.kvm.spec.device.type == "cuda")
         return self.tiers.lookup(q)
 
+    def drop_lookup(self, req: Request) -> None:
+        """The request no longer waits on its lookup (aborted while LOADING): what the lookup read is given
+        back as soon as it is done (``TierManager.drop_lookup``). Mutates ``req.lookup`` (None)."""
+        if req.lookup is not None:
+            self.tiers.drop_lookup(req.lookup)
+            req.lookup = None
+
     def write_through(self, req: Request, blocks: list[CachedBlock]) -> None:
         """Queue the images of newly full blocks for the SSD tier; ``req.persisted`` grows as they
         become durable."""

@@ -169,6 +169,21 @@ class TierManager:
         self.stats.lookups += 1
         return self._submit(self._lookup(query))
 
+    def drop_lookup(self, fut: concurrent.futures.Future[TierLookup]) -> None:
+        """Give back what a lookup nobody will install holds (its SSD images' restore lease): at once when
+        it is done, else on the I/O thread the moment it completes. Never waits; any thread. The
+        request's abort calls it, so a dropped lookup never keeps a kept buffer until the garbage
+        collector finds its lease (it would make the next restores take one-off buffers meanwhile).
+        Mutates ``restore``'s free list (through the lease). ``barrier`` waits until a drop of a lookup
+        that was in flight has run."""
+        fut.add_done_callback(_release_dropped)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every callback the I/O loop has started has run: the release of a dropped lookup
+        whose future is done, say (a future's waiters wake before its callbacks run). Not from the I/O
+        thread. TimeoutError after ``timeout`` seconds."""
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop).result(timeout)
+
     def _restore_for(self, q: LookupQuery) -> RestoreBuffer:
         if self.restore is None:
             if q.block_bytes < 1:
@@ -256,6 +271,13 @@ class TierManager:
             self.writer.close(timeout=10)
         if self.ssd is not None:
             self.ssd.close()
+
+
+def _release_dropped(fut: concurrent.futures.Future[TierLookup]) -> None:
+    """A dropped lookup's done-callback: release its SSD images' lease (a lookup never raises; a cancelled
+    one holds nothing)."""
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().ssd_images.release()
 
 
 def _result_ok(fut: concurrent.futures.Future) -> bool:

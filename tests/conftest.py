@@ -10,9 +10,32 @@ otherwise idle machine and get a pass of their own.
 
 import logging
 import os
+import sys
+from pathlib import Path
 
 # Must be set before any Triton kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# No root folder may answer an import meant for an installed distribution (the PyPI `kernels` that transformers
+# imports, say): the product is imported as `flashtier.*` through its install, the tests as the `tests` package
+# by pytest's importlib mode (pyproject.toml), never through the repository root on sys.path. Something still
+# puts it there before this file runs: `python -m pytest` (the working directory) and pytest-xdist's workers,
+# which insert their working directory into sys.path and PYTHONPATH (inherited by every server subprocess).
+# tests/test_import_paths.py checks the outcome.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _is_repo_root(entry: str) -> bool:
+    return Path(entry or os.getcwd()).resolve() == REPO_ROOT
+
+
+sys.path[:] = [p for p in sys.path if not _is_repo_root(p)]
+if os.environ.get("PYTHONPATH"):
+    _kept = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p and not _is_repo_root(p)]
+    if _kept:
+        os.environ["PYTHONPATH"] = os.pathsep.join(_kept)
+    else:
+        del os.environ["PYTHONPATH"]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

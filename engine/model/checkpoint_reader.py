@@ -212,31 +212,35 @@ class CheckpointReader:
         device: str | torch.device = "cpu",
         progress: bool = True,
         strict: bool = True,
+        skip: tuple[str, ...] = (),
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(name, tensor)` for every expected logical tensor, dequantized to `dtype` on `device`.
 
         Args:
             expected: logical name -> logical shape, e.g. {"layers.3.attn.wq_a.weight": (1280, 5120)}.
-            strict: stored tensors that are neither expected, a consumed `.scale`, nor vision weights
-                raise; with strict=False they are ignored with one log line.
+            strict: stored tensors that are neither expected, a consumed `.scale`, vision weights nor under
+                `skip` raise; with strict=False they are ignored with one log line.
+            skip: name prefixes of stored tensors the caller knowingly leaves unread, without a word (the
+                DSpark drafter's `mtp.` when speculation is off).
         Raises:
             CheckpointError: before anything is read, listing every missing, mis-shaped or extra tensor.
         Tensors come shard by shard in on-disk order, not in `expected` order. Quantized tensors
         travel to `device` as codes and are dequantized there.
         """
-        plans = self._validate(expected, strict)
+        plans = self._validate(expected, strict, skip)
         return self._stream(plans, dtype, torch.device(device), progress)
 
     def load_stored(
         self, expected: Mapping[str, Sequence[int]], *, device: str | torch.device = "cpu", progress: bool = True,
-        strict: bool = True,
+        strict: bool = True, skip: tuple[str, ...] = (),
     ) -> Iterator[tuple[TensorPlan, torch.Tensor, torch.Tensor | None]]:
         """Like ``load`` but nothing is dequantised: ``(plan, data, scale)`` with the stored bytes on ``device``
         (what a GPU model keeps resident: FP8 codes + E8M0 scales, MXFP4 codes + scales, bf16, fp32)."""
-        plans = self._validate(expected, strict)
+        plans = self._validate(expected, strict, skip)
         return self._stream(plans, None, torch.device(device), progress)
 
-    def _validate(self, expected: Mapping[str, Sequence[int]], strict: bool) -> list[TensorPlan]:
+    def _validate(self, expected: Mapping[str, Sequence[int]], strict: bool, skip: tuple[str, ...] = ()
+                  ) -> list[TensorPlan]:  # fmt: skip
         problems, plans, consumed = [], [], set()
         missing = [n for n in expected if n not in self.tensors]
         if missing:
@@ -257,7 +261,7 @@ class CheckpointReader:
                     stored += f" ({plan.fmt.value}, logical shape {_shape(plan.shape)})"
                 problems.append(f"{name}: expected shape {_shape(want)}, checkpoint stores {stored}")
             plans.append(plan)
-        leftover = [n for n in self.tensors if n not in consumed]
+        leftover = [n for n in self.tensors if n not in consumed and not (skip and n.startswith(skip))]
         vision = [n for n in leftover if n.startswith(VISION_PREFIXES)]
         extra = [n for n in leftover if not n.startswith(VISION_PREFIXES)]
         if vision:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from flashtier.engine.model.checkpoint_reader import CheckpointReader, StorageFormat, dequantize
+from flashtier.engine.model.dspark import dspark_skip
 from flashtier.engine.model.engram import default_token_map
 from flashtier.engine.model.engram_offload import TABLE_SUFFIX, attach_host_tables_, tables_to_host_, wants_host_tables
 from flashtier.engine.model.engram_table import HostTable
@@ -79,7 +80,8 @@ def load_model_in_formats(
     pending: dict[str, dict[tuple[str, int], tuple]] = defaultdict(dict)
     reader = CheckpointReader(model_dir)
     host, tables = wants_host_tables(host_engram, device), {}
-    for plan, data, scale in reader.load_stored(expected, device="cpu", progress=progress, strict=with_dspark):
+    for plan, data, scale in reader.load_stored(expected, device="cpu", progress=progress, strict=with_dspark,
+                                                 skip=dspark_skip(with_dspark)):
         if host and plan.name.endswith(TABLE_SUFFIX):
             engram = model.get_submodule(plan.name.removesuffix(".embed.weight"))
             tables[engram.layer] = HostTable.from_stored(data, scale, pin=torch.device(device).type == "cuda")

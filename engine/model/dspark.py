@@ -33,6 +33,14 @@ from flashtier.engine.model.block import Block
 from flashtier.engine.model.config import LayerRole, ModelConfig
 from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.mhc import hc_pre, identity_pre
+
+# The drafter's tensors in the official checkpoint layout (``mtp.0.main_proj.weight``, ...).
+DSPARK_PREFIX = "mtp."
+
+
+def dspark_skip(with_dspark: bool) -> tuple[str, ...]:
+    """The checkpoint prefixes a loader leaves unread: the drafter's when speculation is off."""
+    return () if with_dspark else (DSPARK_PREFIX,)
 from flashtier.engine.model.norm import RMSNorm
 from flashtier.engine.model.numerics import up
 

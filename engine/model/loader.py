@@ -10,6 +10,7 @@ import torch
 
 from flashtier.engine.model.checkpoint import CheckpointReader, write_checkpoint
 from flashtier.engine.model.config import ModelConfig, from_hf_dict, preset
+from flashtier.engine.model.dspark import dspark_skip
 from flashtier.engine.model.engram import default_token_map
 from flashtier.engine.model.init import random_model
 from flashtier.engine.model.transformer import Transformer, weight_formats
@@ -57,10 +58,10 @@ def load_model(
     model.token_map = default_token_map(cfg).to(device)  # the meta buffer has no values
     params = dict(model.named_parameters())
     expected = {k: tuple(v.shape) for k, v in params.items()}
-    # without the drafter the mtp.* tensors are expected extras (skipped with one log line)
+    # without the drafter the official layout's mtp.* tensors are left unread without a word
     reader = CheckpointReader(model_dir)
     for name, tensor in reader.load(expected, dtype=torch.float32, device=device, progress=progress,
-                                    strict=with_dspark):
+                                    strict=with_dspark, skip=dspark_skip(with_dspark)):
         params[name].copy_(tensor.to(params[name].dtype))
     return model.eval()
 

@@ -7,7 +7,7 @@ HF's model on the meta device and runs only where transformers ships DeepSeek-V4
 import pytest
 import torch
 
-from benchmarks.hf_compare_bench import SAME, hf_config_dict, hf_layer_types, prompts, stage
+from hf_compare_bench import SAME, hf_config_dict, hf_layer_types, prompts, stage
 from flashtier.engine.model.config import preset
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"

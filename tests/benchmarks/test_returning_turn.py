@@ -2,16 +2,12 @@
 the server's real registry before and after a turn, usage built by the server's own ``usage_dict``, the checks
 that a turn took its path (each wrong path detected), the budget fit and the prompts."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the benchmark imports it
-from _turn_evidence import evidence, fit_prompt, moved, problems, prompt_ids, scrape  # noqa: E402
+from _turn_evidence import evidence, fit_prompt, moved, problems, prompt_ids, scrape
 
-from flashtier.engine.outputs import CacheUsage, EngineStats, ResumeInfo  # noqa: E402
-from flashtier.server.state import usage_dict  # noqa: E402
+from flashtier.engine.outputs import CacheUsage, EngineStats, ResumeInfo
+from flashtier.server.state import usage_dict
 
 BLOCK_BYTES, SNAPSHOT_BYTES = 56_960, 11_929_319  # real geometry: one 64-token block; one snapshot payload
 

@@ -8,13 +8,9 @@ stream's second chunk) to step 7's end (the first stream's last chunk): gaps (3,
 4 x 3 = 12 samples of exactly 0.1 s. Counting any ramp, capture or first-chunk gap changes the count and the max.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as the benchmark imports it
-from _stream_itl import histogram_sum_count, quantile, steady_itl, summary_ms  # noqa: E402
+from _stream_itl import histogram_sum_count, quantile, steady_itl, summary_ms
 
 STEP_S = [0.5, 0.5, 0.5, 0.9] + [0.1] * 8
 

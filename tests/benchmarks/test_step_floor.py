@@ -7,7 +7,7 @@ entry at the Full layers (20: N, 2 / 8 / 14: N / 2 each), only the 2048 x 8 cand
 
 import pytest
 
-from benchmarks._step_floor import kv_bytes
+from _step_floor import kv_bytes
 from flashtier.engine.model.config import preset
 
 CASES = [  # context -> bytes per row

@@ -67,11 +67,17 @@ class ManualTiers:
     snapshots: list[tuple[str, int]] = field(default_factory=list)  # (request id, point)
     written: list[int] = field(default_factory=list)  # block ids written through
     resumes: list[ResumeResult] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # request ids whose lookup was dropped
 
     def start_lookup(self, req: Request) -> concurrent.futures.Future[TierLookup]:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self.lookups[req.request_id] = fut
         return fut
+
+    def drop_lookup(self, req: Request) -> None:
+        if req.lookup is not None:
+            self.dropped.append(req.request_id)
+            req.lookup = None
 
     def write_through(self, req: Request, blocks: list[CachedBlock]) -> None:
         self.written += [b.block_id for b in blocks]

@@ -66,3 +66,28 @@ def test_dspark_drafter_forward(tiny32):
     assert out.tokens.tolist() == torch.argmax(out.logits, -1).tolist()
     other = dspark_propose(tiny32, rings, last_token=43, pos=6)
     assert not torch.equal(other.logits, out.logits)
+
+
+def test_without_the_drafter_its_tensors_are_left_unread_without_a_word(written, tmp_path, caplog):
+    """The written checkpoint keeps the official layout (mtp.*); loading without speculation skips those by
+    name, silently, while any other stored tensor the model does not use is still reported."""
+    import shutil
+
+    caplog.set_level("DEBUG", logger="flashtier")
+    loaded = load_model(written, progress=False, with_dspark=False)
+    assert len(loaded.mtp) == 0
+    assert [r.getMessage() for r in caplog.records if "unexpected" in r.getMessage()] == []
+
+    extra = tmp_path / "extra"
+    shutil.copytree(written, extra)
+    index = json.loads((extra / "model.safetensors.index.json").read_text())
+    shard = extra / index["weight_map"]["layers.5.attn.kv_norm.weight"]
+    tensors = load_file(shard)
+    tensors["layers.5.attn.unused_probe"] = torch.ones(3)
+    save_file(tensors, shard)
+    index["weight_map"]["layers.5.attn.unused_probe"] = shard.name
+    (extra / "model.safetensors.index.json").write_text(json.dumps(index))
+    caplog.clear()
+    load_model(extra, progress=False, with_dspark=False)
+    lines = [r.getMessage() for r in caplog.records if "unexpected" in r.getMessage()]
+    assert len(lines) == 1 and "1 unexpected" in lines[0] and "unused_probe" in lines[0] and "mtp." not in lines[0]

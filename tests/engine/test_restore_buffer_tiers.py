@@ -5,7 +5,11 @@ a result the engine has not consumed surviving later lookups, and failures that 
 Real SSD store and embedded snapshot pool; no model. Block size 8 (tiny geometry)."""
 
 import gc
+import os
 import shutil
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -152,13 +156,64 @@ def test_a_lookup_never_overwrites_a_result_the_engine_has_not_consumed(tmp_path
     assert fourth.ssd_images.lease.kept and fourth.ssd_images.lease.rows.data_ptr() == ptr
 
 
-def test_a_dropped_lookup_gives_its_buffer_back(tmp_path, closing):
+@pytest.fixture
+def busy_cpu():
+    """Every core kept busy by a spinning process (the machine is loaded, as under `make test`), and the
+    garbage collector off: a lease left to the collector is never returned here."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def test_a_dropped_lookup_gives_its_buffer_back(tmp_path, closing, busy_cpu):
+    """The request was aborted while LOADING after its lookup finished: the drop releases at once."""
     tiers = written(tmp_path)
     closing(tiers)
     fut = tiers.lookup(LookupQuery(NAMESPACE, PROMPT, HASHES, 0, BS, block_bytes=BLOCK_BYTES))
-    assert len(fut.result(timeout=30).ssd_images) == 9 and tiers.restore.held == 1
-    del fut  # the request was aborted while LOADING: the scheduler drops its lookup
-    gc.collect()
+    assert len(fut.result(timeout=60).ssd_images) == 9 and tiers.restore.held == 1
+    tiers.drop_lookup(fut)
+    assert tiers.restore.held == 0
+    assert tiers.restore.stats.one_off == 0 and lookup(tiers).ssd_images.lease.kept  # the kept buffer again
+
+
+def test_a_lookup_dropped_in_flight_gives_its_buffer_back_as_it_completes(tmp_path, closing, busy_cpu, monkeypatch):
+    """Dropped while the SSD read is still running: the read completes, then its lease is released on the
+    I/O thread; ``barrier`` waits for that release, never for a timer or the collector."""
+    tiers = written(tmp_path)
+    closing(tiers)
+    reading, go_on = threading.Event(), threading.Event()
+    read = tiers.ssd.get_many_into
+
+    def slow(keys, dest, slot_bytes):
+        reading.set()
+        assert go_on.wait(timeout=60)
+        return read(keys, dest, slot_bytes)
+
+    monkeypatch.setattr(tiers.ssd, "get_many_into", slow)
+    fut = tiers.lookup(LookupQuery(NAMESPACE, PROMPT, HASHES, 0, BS, block_bytes=BLOCK_BYTES))
+    assert reading.wait(timeout=60) and not fut.done() and tiers.restore.held == 1
+    tiers.drop_lookup(fut)
+    go_on.set()
+    assert len(fut.result(timeout=60).ssd_images) == 9
+    tiers.barrier(timeout=60)
+    assert tiers.restore.held == 0
+
+
+def test_without_the_drop_the_buffer_stays_held(tmp_path, closing, busy_cpu):
+    """The check can fail: a lookup nobody installs or drops keeps its kept buffer (the collector is off)."""
+    tiers = written(tmp_path)
+    closing(tiers)
+    fut = tiers.lookup(LookupQuery(NAMESPACE, PROMPT, HASHES, 0, BS, block_bytes=BLOCK_BYTES))
+    fut.result(timeout=60)
+    tiers.barrier(timeout=60)
+    assert tiers.restore.held == 1
+    tiers.drop_lookup(fut)
     assert tiers.restore.held == 0
 
 

@@ -134,6 +134,8 @@ def test_abort_in_every_state_frees_everything(state):
     assert req.status is state
     assert h.scheduler.abort("x") is req and h.scheduler.abort("x") is None
     assert req.status is S.FINISHED and all(s.finish_reason.value == "abort" for s in req.seqs)
+    # a lookup in flight is handed back to the tiers (which release what it read), never left to the collector
+    assert req.lookup is None and (h.tiers.dropped if h.tiers else []) == (["x"] if state is S.LOADING else [])
     h.check()
     for rid in list(h.scheduler.requests):
         h.scheduler.abort(rid)

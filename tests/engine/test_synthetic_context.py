@@ -13,7 +13,7 @@ differently on the two paths, and the tests below show such states are caught (w
 import pytest
 import torch
 
-from benchmarks.synthetic_context import SyntheticContext, check_context
+from synthetic_context import SyntheticContext, check_context
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.sampling_params import SamplingParams

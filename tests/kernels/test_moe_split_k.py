@@ -32,7 +32,7 @@ from flashtier.kernels._moe_grouped_gemm_triton import MoEGemmConfig, _e2m1_as_e
 from flashtier.kernels.moe_align import moe_align
 from flashtier.kernels.moe_grouped_gemm import moe_grouped_ffn
 from flashtier.kernels.moe_grouped_gemm_ref import dense_fp8_expert, dense_mxfp4_expert
-from tests.kernels.test_moe_grouped_gemm import assert_close_rows, make_case, make_experts, row_errors
+from .test_moe_grouped_gemm import assert_close_rows, make_case, make_experts, row_errors
 
 LIMIT = 10.0
 SHIPPED_TILES = dict(block_n=32, block_k=64)

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flashtier.server.app import create_app
 from flashtier.server.settings import ServerSettings, build_settings
 from flashtier.server.tokenizer import Tokenizer
-from tests.server.scripted_engine import ScriptedEngineClient
+from .scripted_engine import ScriptedEngineClient
 
 DEFAULT_REPLY = "Hello from the scripted engine."
 MAX_MODEL_LEN = 8192

@@ -25,10 +25,12 @@ own thread); the record lists are appended to from the server's loop.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from flashtier.engine.client import QueueFullError
 from flashtier.engine.outputs import (
@@ -289,3 +291,8 @@ class ScriptedEngineClient:
                 if not finished:
                     self.cancelled.append(request_id)
                 self._changed.notify_all()
+
+
+# `flashtier serve` in front of this engine, as a process (scripted_serve.py, run by path: its folder is the only
+# test folder on the child's sys.path, and the repository root is not on it).
+SCRIPTED_SERVE_ARGV = (sys.executable, str(Path(__file__).with_name("scripted_serve.py")))

@@ -1,7 +1,6 @@
 """``flashtier serve`` in front of a ScriptedEngineClient, as a process: the API without a model.
 
-    python -m tests.server.scripted_serve [serve flags...]     (from the repository root, or with it
-                                                                on PYTHONPATH)
+    python tests/server/scripted_serve.py [serve flags...]     (by path: scripted_engine.py is its neighbour)
 
 It runs the server's own entry point (``flashtier.server.cli.main``) with an engine factory, so
 settings, logging, the demo note, uvicorn and the SIGTERM drain are the product's; only the engine
@@ -16,7 +15,7 @@ from flashtier.engine.client import EngineClient
 from flashtier.server.cli import main
 from flashtier.server.settings import ServerSettings
 from flashtier.server.tokenizer import Tokenizer
-from tests.server.scripted_engine import ScriptedEngineClient
+from scripted_engine import ScriptedEngineClient  # run by path: its folder is sys.path[0]
 
 
 def scripted_engine(settings: ServerSettings) -> EngineClient:

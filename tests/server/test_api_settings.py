@@ -8,16 +8,15 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from flashtier.server.cli import build_parser
 from flashtier.server.settings import DEMO_NOTE, OPTIONS, build_settings
+from .scripted_engine import SCRIPTED_SERVE_ARGV
 
 
 def _ns(*argv: str):
@@ -126,19 +125,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 def _scripted_serve_command() -> list[str]:
     """`flashtier serve` in front of the scripted engine (tests/server/scripted_serve.py)."""
-    return [sys.executable, "-m", "tests.server.scripted_serve"]
+    return list(SCRIPTED_SERVE_ARGV)
 
 
 def test_serve_process_drains_on_sigterm(tmp_path):
     port, dead = _free_port(), _free_port()
     env = {**os.environ, "FLASHTIER_PORT": str(port), "FLASHTIER_DRAIN_TIMEOUT": "20",
-           "FLASHTIER_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+           "FLASHTIER_CACHE_DIR": str(tmp_path / "cache")}
     # nothing listens on the Redis port: one warning line, and the server starts anyway
     proc = subprocess.Popen([*_scripted_serve_command(), "--redis-url", f"redis://127.0.0.1:{dead}/0"], cwd=tmp_path,
                             env=env,

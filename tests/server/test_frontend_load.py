@@ -26,11 +26,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .scripted_engine import SCRIPTED_SERVE_ARGV
+
 # ~1 min: two 20 MB prompts are tokenized (4M tokens each); serial: the 100 ms probe limit needs an otherwise idle
 # machine (another busy process on the 2 cores delays probes past it)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
-ROOT = Path(__file__).resolve().parents[2]
 BIG_BYTES = 20_000_000
 PROBES = 50
 PROBE_LIMIT_S = 0.100
@@ -74,9 +75,8 @@ def serve(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("load")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHTIER_")}
-    env.update(FLASHTIER_CACHE_DIR=str(tmp / "cache"), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    argv = [sys.executable, "-m", "tests.server.scripted_serve", "--port", str(port), "--no-kv-persist", "--log-level",
+    env.update(FLASHTIER_CACHE_DIR=str(tmp / "cache"), OMP_NUM_THREADS="1")
+    argv = [*SCRIPTED_SERVE_ARGV, "--port", str(port), "--no-kv-persist", "--log-level",
             "warning"]
     proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

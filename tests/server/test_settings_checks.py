@@ -24,7 +24,7 @@ from flashtier.kvstore.ssd_store import SSDStore
 from flashtier.server import settings_checks
 from flashtier.server.settings import ServerSettings, build_settings
 from flashtier.server.settings_checks import SettingsError, check_kv_dir, preflight, probe_redis
-from tests.kvstore.redis_server import RedisServer, free_port
+from ..kvstore.redis_server import RedisServer, free_port
 
 
 def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

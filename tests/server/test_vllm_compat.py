@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -27,8 +26,8 @@ from flashtier.server.settings import build_settings
 from flashtier.server.startup_log import mask_url, startup_lines
 
 from .conftest import MAX_MODEL_LEN, run_server
+from .scripted_engine import SCRIPTED_SERVE_ARGV
 
-ROOT = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -237,10 +236,9 @@ def _free_port() -> int:
 def test_second_demo_server_on_the_same_cache_dir_stops(tmp_path):
     """Two demo servers share CACHE_DIR/kv/demo-tiny: the second stops at once, naming the first's pid."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHTIER_")}
-    env.update(FLASHTIER_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.update(FLASHTIER_CACHE_DIR=str(tmp_path / "cache"))
     port = _free_port()
-    first = subprocess.Popen([sys.executable, "-m", "tests.server.scripted_serve", "--port", str(port)], cwd=tmp_path,
+    first = subprocess.Popen([*SCRIPTED_SERVE_ARGV, "--port", str(port)], cwd=tmp_path,
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

@@ -4,8 +4,8 @@ Prefill tokens/s and decode tokens/s at batch 1 / 8 / 32, for the paged, batched
 contiguous incremental path (``IncrementalModel``, one sequence at a time) on the same model and
 prompts. Prints a table of ratios and writes JSON (``--out``).
 
-    python benchmarks/engine.py --preset tiny --out docs/perf/engine_tiny_cpu.json
-    python benchmarks/engine.py --preset flash-16e --device cuda --dtype bfloat16 ...   (GPU host)
+    python benchmarks/engine_bench.py --preset tiny --out docs/perf/engine_tiny_cpu.json
+    python benchmarks/engine_bench.py --preset flash-16e --device cuda --dtype bfloat16 ...   (GPU host)
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['engine_decode_tok_s']:>13.1f} {r['decode_ratio']:>6.2f}x")
     if args.out:
         result = {
-            "command": "python benchmarks/engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python benchmarks/engine_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "preset": args.preset, "device": str(dev), "dtype": args.dtype,
             "host": platform.processor() or platform.machine(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
