@@ -42,8 +42,8 @@ import triton
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.kv_manager import SequenceSpec
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.kv.manager import SequenceSpec
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.layout import BlockLayout
 

@@ -23,7 +23,7 @@ from flashtier.engine.engine import Engine
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.incremental import IncrementalModel
 from flashtier.engine.model.init import random_model
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 

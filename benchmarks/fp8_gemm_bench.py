@@ -26,8 +26,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from flashtier.kernels._fp8_gemm_triton import Fp8GemmConfig, default_config, fp8_gemm_triton
-from flashtier.kernels.fp8_gemm import act_quant, fp8_gemm
+from flashtier.kernels.fp8_gemm.kernel import Fp8GemmConfig, default_config, fp8_gemm_triton
+from flashtier.kernels.fp8_gemm.op import act_quant, fp8_gemm
 
 DEV = "cuda"
 # name: (N, K per group, block_n, groups)

@@ -4,7 +4,7 @@ Both engines walk the same answer (a JSON object of a 4-property schema, 37 toke
 fill the allowed-token bitmask, accept the token. Reports compile time and the per-token fill time
 (mean, p50, max) and, as the ceiling this has to fit under, the ratio of the mean to the time one
 sampling step of the batched sampler takes for the same row on this machine (the step the mask is
-applied in). flashtier uses xgrammar (engine/grammar_compiler.py).
+applied in). flashtier uses xgrammar (engine/grammar/compiler.py).
 
     .venv/bin/pip install llguidance==1.9.1   # the comparison engine; flashtier itself does not need it
     .venv/bin/python benchmarks/grammar_mask_bench.py --out docs/perf/grammar_mask.json
@@ -23,12 +23,12 @@ from importlib.metadata import version
 import torch
 import xgrammar as xgr
 
-from flashtier.engine.grammar_compiler import GrammarCompiler
-from flashtier.engine.output_constraint import ConstraintKind, ConstraintSpec
-from flashtier.engine.sampler import Sampler, SamplerRow
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.server.grammar_service import grammar_vocab
-from flashtier.server.tokenizer import Tokenizer, default_tokenizer_path
+from flashtier.engine.grammar.compiler import GrammarCompiler
+from flashtier.engine.grammar.constraint import ConstraintKind, ConstraintSpec
+from flashtier.engine.sample.sampler import Sampler, SamplerRow
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.server.grammar.service import grammar_vocab
+from flashtier.server.text.tokenizer import Tokenizer, default_tokenizer_path
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "units", "tags"],
           "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1},

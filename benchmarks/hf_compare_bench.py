@@ -32,7 +32,7 @@ import torch
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.config import ModelConfig, preset
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared model maker (run as python3 -P)

@@ -31,9 +31,9 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from flashtier.kernels._indexer_topk_triton import IndexerTopKConfig, finalize, score_keys, select_from_keys
-from flashtier.kernels.indexer_topk import DEFAULT_CONFIG, indexer_topk, indexer_topk_with_candidates
-from flashtier.kernels.quant_mxfp4 import quantize_mxfp4
+from flashtier.kernels.indexer_topk.kernel import IndexerTopKConfig, finalize, score_keys, select_from_keys
+from flashtier.kernels.indexer_topk.op import DEFAULT_CONFIG, indexer_topk, indexer_topk_with_candidates
+from flashtier.kernels.quant.mxfp4 import quantize_mxfp4
 from flashtier.kvstore.layout import BlockLayout, KVGeometry
 
 IH, ID, K, CTX, NBLK, CB = 32, 128, 512, 70_000, 2048, 8

@@ -35,11 +35,11 @@ from triton.testing import do_bench
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.expert_weights import ExpertWeights
 from flashtier.engine.model.moe import MoE
-from flashtier.kernels._moe_combine_triton import moe_combine_triton
-from flashtier.kernels._moe_grouped_gemm_triton import DEFAULT_CONFIG, MoEGemmConfig, launch_moe_gemm
-from flashtier.kernels.moe_align import moe_align
-from flashtier.kernels.moe_grouped_gemm import moe_grouped_ffn
-from flashtier.kernels.quant_fp8 import fp8_qdq
+from flashtier.kernels.moe.combine_kernel import moe_combine_triton
+from flashtier.kernels.moe.grouped_gemm_kernel import DEFAULT_CONFIG, MoEGemmConfig, launch_moe_gemm
+from flashtier.kernels.moe.align import moe_align
+from flashtier.kernels.moe.grouped_gemm import moe_grouped_ffn
+from flashtier.kernels.quant.fp8 import fp8_qdq
 
 DEVICE, BATCHES = "cuda", (1, 8, 64)
 TOL = 5e-3  # worst row's relative RMS vs the reference (tests/kernels/test_moe_grouped_gemm.py)

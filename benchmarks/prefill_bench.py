@@ -32,8 +32,8 @@ from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model import paged_forward
 from flashtier.engine.model.moe import MoE
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.engine.step_metadata import RowSpan, build_step_rows
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.runner.step_metadata import RowSpan, build_step_rows
 from flashtier.kvstore.config import KVStoreConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,7 +84,7 @@ def full_mode(engine: Engine) -> None:
         paged_forward.decode_rows(model, dec, views, x, pre)
         return x, pre
 
-    import flashtier.engine.paged_runner as pr
+    import flashtier.engine.runner.paged_runner as pr
 
     pr.encode_rows = encode_then_decode
 
@@ -99,7 +99,7 @@ def ttft(model, prompt: list[int], chunk: int, full: bool, device: torch.device)
                         forward="batched", max_num_seqs=1, max_num_batched_tokens=chunk,
                         max_model_len=len(prompt) + 64)
     engine = Engine(model, ecfg, KVStoreConfig(block_size=64, num_blocks=len(prompt) // 64 + 16))
-    import flashtier.engine.paged_runner as pr
+    import flashtier.engine.runner.paged_runner as pr
 
     saved = pr.encode_rows
     try:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from flashtier.engine.restore_buffer import RestoreBuffer
-from flashtier.engine.restored_run import RestoredRun
+from flashtier.engine.tiers.restore_buffer import RestoreBuffer
+from flashtier.engine.tiers.restored_run import RestoredRun
 from flashtier.kvstore.kv_pool import GlobalKVPool
 from flashtier.kvstore.layout import BlockLayout, KVGeometry
 

@@ -43,13 +43,13 @@ import torch
 from flashtier.engine.factory import build_engine
 from flashtier.engine.model.config import resolve
 from flashtier.engine.model.loader import demo_checkpoint
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.server.chat_encoding import encode_to_ids
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.server.text.chat_encoding import encode_to_ids
 from flashtier.server.cli import build_parser
-from flashtier.server.engram_map import model_token_map
-from flashtier.server.metrics import ITL
-from flashtier.server.settings import build_settings
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.server.text.engram_map import model_token_map
+from flashtier.server.serving.metrics import ITL
+from flashtier.server.config.settings import build_settings
+from flashtier.server.text.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules (run as python3 -P)
 from _stream_itl import histogram_sum_count, quantile, steady_itl, summary_ms  # noqa: E402

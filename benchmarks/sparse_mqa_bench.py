@@ -28,8 +28,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from flashtier.kernels._sparse_mqa_triton import SparseMQAConfig, sparse_mqa_decode_triton
-from flashtier.kernels.sparse_mqa import DEFAULT_CONFIG, sparse_mqa_decode
+from flashtier.kernels.sparse_mqa.kernel import SparseMQAConfig, sparse_mqa_decode_triton
+from flashtier.kernels.sparse_mqa.op import DEFAULT_CONFIG, sparse_mqa_decode
 from flashtier.kvstore.layout import BlockLayout, KVGeometry
 
 H, D, W, CTX, LAYERS, LAYER = 64, 512, 128, 70_000, 40, 25

@@ -32,7 +32,7 @@ import torch
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.config import preset
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

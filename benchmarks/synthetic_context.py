@@ -41,11 +41,11 @@ import torch
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.numerics import up
-from flashtier.engine.request import Request
-from flashtier.engine.request_state import RequestStatus
-from flashtier.kernels.quant_fp4 import pack_fp4_record, quantize_fp4
-from flashtier.kernels.quant_fp8 import pack_fp8_record, quantize_fp8
-from flashtier.kernels.quant_mxfp4 import pack_mxfp4_record, quantize_mxfp4
+from flashtier.engine.core.request import Request
+from flashtier.engine.core.request_state import RequestStatus
+from flashtier.kernels.quant.fp4 import pack_fp4_record, quantize_fp4
+from flashtier.kernels.quant.fp8 import pack_fp8_record, quantize_fp8
+from flashtier.kernels.quant.mxfp4 import pack_mxfp4_record, quantize_mxfp4
 
 
 def _fp4(raw: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,8 @@ import xxhash
 
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig, ssd_segment_bytes_for
-from flashtier.kvstore.ssd_record import HEADER_BYTES
-from flashtier.kvstore.ssd_store import SSDStore
+from flashtier.kvstore.ssd.record import HEADER_BYTES
+from flashtier.kvstore.ssd.store import SSDStore
 
 PAYLOAD = 56_960  # 890 B/token x 64 tokens
 TURN_KEYS = 1_563  # 100K tokens of 64-token blocks
@@ -244,7 +244,7 @@ def main() -> None:
         write_s = time.perf_counter() - t0
         files = segment_files(root / "ssd")
         if args.pipeline != "auto":  # the store builds its reader with the default; swap in the one asked for
-            from flashtier.kvstore.ssd_reader import SSDReader
+            from flashtier.kvstore.ssd.reader import SSDReader
 
             old = store._reader
             store._reader = SSDReader(old._meta, old._refresh, old._clock, coalesce_gap_bytes=old._gap,

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from flashtier.engine.engine import Engine
 from flashtier.engine.output_handoff import OutputHandoff
-from flashtier.engine.outputs import EngineStats, RequestOutput
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.core.outputs import EngineStats, RequestOutput
+from flashtier.engine.sample.params import SamplingParams
 
 log = logging.getLogger("flashtier.engine")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from flashtier.engine.outputs import EngineStats, RequestOutput
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.core.outputs import EngineStats, RequestOutput
+from flashtier.engine.sample.params import SamplingParams
 
 
 class EngineClient(Protocol):

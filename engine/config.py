@@ -1,4 +1,4 @@
-"""EngineConfig: the one (frozen) configuration object of flashtier.engine (built by server/settings.py)."""
+"""EngineConfig: the one (frozen) configuration object of flashtier.engine (built by server/config/settings.py)."""
 
 from __future__ import annotations
 

@@ -21,27 +21,27 @@ import torch
 
 from flashtier.engine.client import QueueFullError
 from flashtier.engine.config import EngineConfig
-from flashtier.engine.decode_graphs import DecodeGraphs
-from flashtier.engine.decode_step import is_plain_decode
+from flashtier.engine.runner.decode_graphs import DecodeGraphs
+from flashtier.engine.runner.decode_step import is_plain_decode
 from flashtier.engine.engine_stats import spec_fields, tier_stats
-from flashtier.engine.kv_manager import KVManager, SequenceSpec
+from flashtier.engine.kv.manager import KVManager, SequenceSpec
 from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.output_builder import build_output
-from flashtier.engine.outputs import EngineStats, RequestOutput
+from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.postprocess import Postprocessor
-from flashtier.engine.request import Request
-from flashtier.engine.paged_runner import PagedRunner
-from flashtier.engine.runner import ModelRunner
-from flashtier.engine.sampler import Sampler
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.core.request import Request
+from flashtier.engine.runner.paged_runner import PagedRunner
+from flashtier.engine.runner.runner import ModelRunner
+from flashtier.engine.sample.sampler import Sampler
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.engine.scheduler import Scheduler
-from flashtier.engine.spec_drafter import Drafter
-from flashtier.engine.spec_schedule import SpecPolicy
-from flashtier.engine.spec_state import check_spec_integrity
-from flashtier.engine.spec_stats import SpecStats
-from flashtier.engine.spec_verify import SpecVerifier
-from flashtier.engine.tier_client import TierClient
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.spec.drafter import Drafter
+from flashtier.engine.spec.schedule import SpecPolicy
+from flashtier.engine.spec.state import check_spec_integrity
+from flashtier.engine.spec.stats import SpecStats
+from flashtier.engine.spec.verify import SpecVerifier
+from flashtier.engine.tiers.client import TierClient
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.block_hash import namespace_hash
 from flashtier.kvstore.block_pool import BlockPool
 from flashtier.kvstore.config import KVStoreConfig

@@ -1,9 +1,9 @@
 """The tier counters and gauges as one flat mapping for ``EngineStats.tiers`` (the server's /metrics), and
-the speculative-decoding fields of ``EngineStats`` (``spec_fields``, from engine/spec_stats.py).
+the speculative-decoding fields of ``EngineStats`` (``spec_fields``, from engine/spec/stats.py).
 
 A key is a metric name without the ``flashtier_`` prefix; a labelled sample is spelled
-``name{label=value}`` (``tier_key``, parsed back by ``split_tier_key``), and server/metrics.py exports
-every key of one name as one family. Gauges are listed in server/metrics.py's ``TIER_GAUGES``; every
+``name{label=value}`` (``tier_key``, parsed back by ``split_tier_key``), and server/serving/metrics.py exports
+every key of one name as one family. Gauges are listed in server/serving/metrics.py's ``TIER_GAUGES``; every
 other key is a counter (exported with ``_total``). Faults are counted by cause:
 
     ssd_write_errors{cause=disk_full|unwritable|io}   appends/fsyncs that failed (blocks not persisted)
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import re
 
-from flashtier.engine.spec_stats import SpecStats
-from flashtier.engine.tiers import TierManager
-from flashtier.kvstore.ssd_health import WRITE_CAUSES
+from flashtier.engine.spec.stats import SpecStats
+from flashtier.engine.tiers.manager import TierManager
+from flashtier.kvstore.ssd.health import WRITE_CAUSES
 
 _SSD = ("bytes", "entries", "segments", "oldest_entry_age_s", "admission_refusals", "expirations",
         "corrupt_records", "bytes_read", "bytes_written", "hits", "misses", "read_errors", "torn_bytes",

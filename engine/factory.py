@@ -1,4 +1,4 @@
-"""Build an ``Engine`` / ``AsyncEngine`` from the package configs (which server/settings.py builds)."""
+"""Build an ``Engine`` / ``AsyncEngine`` from the package configs (which server/config/settings.py builds)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flashtier.engine.model.engram import Engram
 from flashtier.engine.model.init import random_model, random_model_on_device
 from flashtier.engine.model.loader import load_model
 from flashtier.engine.model.transformer import Transformer
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.config import KVStoreConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

@@ -7,8 +7,8 @@ and gets a private copy of the partial tail block (it will be written by the chi
 
 from __future__ import annotations
 
-from flashtier.engine.kv_manager import KVManager
-from flashtier.engine.request import Sequence
+from flashtier.engine.kv.manager import KVManager
+from flashtier.engine.core.request import Sequence
 
 
 def fork(kvm: KVManager, parent: Sequence, child: Sequence) -> bool:

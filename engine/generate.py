@@ -11,8 +11,8 @@ from flashtier.engine.model.incremental import IncrementalModel
 from flashtier.engine.model.init import random_model
 from flashtier.engine.model.loader import load_model
 from flashtier.engine.model.transformer import Transformer
-from flashtier.engine.sampler import Sampler, SamplerRow, generator_for
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.sampler import Sampler, SamplerRow, generator_for
+from flashtier.engine.sample.params import SamplingParams
 
 
 def load_for_cli(model_dir: str | Path | None, preset_name: str | None, seed: int = 0) -> Transformer:

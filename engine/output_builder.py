@@ -3,9 +3,9 @@ the previous output (deltas), its cache usage and its times."""
 
 from __future__ import annotations
 
-from flashtier.engine.outputs import CacheUsage, ChoiceDelta, RequestOutput, RequestTimes
-from flashtier.engine.request import Request
-from flashtier.engine.request_state import RequestStatus
+from flashtier.engine.core.outputs import CacheUsage, ChoiceDelta, RequestOutput, RequestTimes
+from flashtier.engine.core.request import Request
+from flashtier.engine.core.request_state import RequestStatus
 
 
 def build_output(req: Request) -> RequestOutput:

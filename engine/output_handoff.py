@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from flashtier.engine.outputs import RequestOutput
+from flashtier.engine.core.outputs import RequestOutput
 
 __all__ = ["OutputHandoff"]
 

@@ -3,7 +3,7 @@ finished replays into decodes (forking n > 1), sample one token per live sequenc
 
     SchedulerOutput + ModelRunnerOutput ──▶ Postprocessor.process ──▶ the requests touched this step
 
-Speculative engines first accept each VERIFY work's drafts and roll its KV state back (spec_verify.py),
+Speculative engines first accept each VERIFY work's drafts and roll its KV state back (spec/verify.py),
 before any block is hashed; the accepted tokens then go through the same per-token path as sampled ones.
 
 Runs on the engine thread; mutates requests, sequences and (through the scheduler) the pool.
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtier.engine.grammar_mask import grammar_bitmask
-from flashtier.engine.outputs import TokenLogprob
-from flashtier.engine.request import FinishReason, Request, Sequence
-from flashtier.engine.request_state import RequestStatus
-from flashtier.engine.runner import ModelRunnerOutput
-from flashtier.engine.sampler import Sampler, SamplerRow
+from flashtier.engine.grammar.mask import grammar_bitmask
+from flashtier.engine.core.outputs import TokenLogprob
+from flashtier.engine.core.request import FinishReason, Request, Sequence
+from flashtier.engine.core.request_state import RequestStatus
+from flashtier.engine.runner.runner import ModelRunnerOutput
+from flashtier.engine.sample.sampler import Sampler, SamplerRow
 from flashtier.engine.scheduler import Scheduler
-from flashtier.engine.scheduler_output import DecoderKind, SchedulerOutput
-from flashtier.engine.spec_verify import SpecVerifier
+from flashtier.engine.core.scheduler_output import DecoderKind, SchedulerOutput
+from flashtier.engine.spec.verify import SpecVerifier
 
 logger = logging.getLogger(__name__)
 

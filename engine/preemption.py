@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashtier.engine.kv_manager import KVManager
-from flashtier.engine.paged_kv import PrivateState
-from flashtier.engine.request import Sequence
+from flashtier.engine.kv.manager import KVManager
+from flashtier.engine.kv.paged_kv import PrivateState
+from flashtier.engine.core.request import Sequence
 
 
 @dataclass(frozen=True)

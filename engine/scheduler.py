@@ -33,16 +33,16 @@ from dataclasses import dataclass
 import torch
 
 from flashtier.engine.fork import fork
-from flashtier.engine.kv_manager import KVManager
-from flashtier.engine.output_constraint import GrammarState
+from flashtier.engine.kv.manager import KVManager
+from flashtier.engine.grammar.constraint import GrammarState
 from flashtier.engine.preemption import blocks_to_swap_in, swap_in, swap_out
-from flashtier.engine.outputs import ResumeInfo
-from flashtier.engine.request import FinishReason, Request, Sequence
-from flashtier.engine.request_state import RUNNING, RequestStatus, transition
-from flashtier.engine.resume import ResumeKind, install_resume, plan_resume
-from flashtier.engine.scheduler_output import DecoderKind, DecoderWork, EncoderWork, SchedulerOutput
-from flashtier.engine.spec_schedule import SpecPolicy
-from flashtier.engine.tier_client import TierClient
+from flashtier.engine.core.outputs import ResumeInfo
+from flashtier.engine.core.request import FinishReason, Request, Sequence
+from flashtier.engine.core.request_state import RUNNING, RequestStatus, transition
+from flashtier.engine.tiers.resume import ResumeKind, install_resume, plan_resume
+from flashtier.engine.core.scheduler_output import DecoderKind, DecoderWork, EncoderWork, SchedulerOutput
+from flashtier.engine.spec.schedule import SpecPolicy
+from flashtier.engine.tiers.client import TierClient
 from flashtier.kvstore.block_hash import fork_chain, hash_blocks
 
 S = RequestStatus

@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from flashtier.engine.sampling_params import SamplingParams
+        from flashtier.engine.sample.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

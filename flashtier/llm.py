@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.factory import build_engine
-from flashtier.engine.outputs import TokenLogprob
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.core.outputs import TokenLogprob
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.server.engram_map import install_token_map
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.server.text.engram_map import install_token_map
+from flashtier.server.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """KVStoreConfig: the one (frozen) configuration object of flashtier.kvstore.
 
-Built once by server/settings.py from CLI flags / ``FLASHTIER_*`` variables and validated here, with
+Built once by server/config/settings.py from CLI flags / ``FLASHTIER_*`` variables and validated here, with
 ValueError messages that name the field; kvstore never reads the environment itself. Sizes are bytes,
 durations seconds.
 

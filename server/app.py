@@ -36,18 +36,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashtier import __version__
 from flashtier.engine.client import EngineClient
-from flashtier.server import routes_chat, routes_completions, routes_messages, routes_misc, routes_responses
-from flashtier.server.auth import APIKeyMiddleware, is_protected
-from flashtier.server.errors import error_body_for_path, install_error_handlers
-from flashtier.server.frontend_pool import FrontendPool
-from flashtier.server.messages_errors import ANTHROPIC_ERROR_SCHEMA, is_messages_path
-from flashtier.server.metrics import ServerMetrics
-from flashtier.server.request_id import RequestIdMiddleware
-from flashtier.server.response_store import open_response_store
-from flashtier.server.settings import ServerSettings
-from flashtier.server.startup_log import log_startup
-from flashtier.server.state import ServerState
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.server import routes_misc
+from flashtier.server.anthropic import route as routes_messages
+from flashtier.server.openai import chat_route as routes_chat, completions_route as routes_completions
+from flashtier.server.responses import route as routes_responses
+from flashtier.server.http.auth import APIKeyMiddleware, is_protected
+from flashtier.server.http.errors import error_body_for_path, install_error_handlers
+from flashtier.server.http.frontend_pool import FrontendPool
+from flashtier.server.http.anthropic_errors import ANTHROPIC_ERROR_SCHEMA, is_messages_path
+from flashtier.server.serving.metrics import ServerMetrics
+from flashtier.server.http.request_id import RequestIdMiddleware
+from flashtier.server.response_store.store import open_response_store
+from flashtier.server.config.settings import ServerSettings
+from flashtier.server.config.startup_log import log_startup
+from flashtier.server.serving.state import ServerState
+from flashtier.server.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""The ``flashtier`` command: ``inspect``, ``generate``, ``serve`` and ``kv`` (the SSD tier's tools, kv_admin.py).
+"""The ``flashtier`` command: ``inspect``, ``generate``, ``serve`` and ``kv`` (the SSD tier's tools, kv_admin/command.py).
 
 A bad command line or setting ends the command with one line on stderr, ``flashtier: error: ...``
 (for a setting: ``--flag VALUE: what is wrong; how to fix``), and exit status 2, never a traceback.
-``serve`` checks its settings (settings.py) and what they point at (settings_checks.py: the SSD
+``serve`` checks its settings (settings.py) and what they point at (config/checks.py: the SSD
 directory, the model config, Redis) before it loads the model, then holds KV_DIR/SERVER.LOCK for its
 lifetime (kv_dir_lock.py: a second server on the same directory stops with one line). Every log line,
 uvicorn's access and error logs included, has one format: ``LOG_FORMAT``, with a timestamp.
@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from flashtier.engine.client import EngineClient
     from flashtier.engine.config import EngineConfig
     from flashtier.server.app import EngineClientFactory
-    from flashtier.server.settings import ServerSettings
+    from flashtier.server.config.settings import ServerSettings
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from flashtier.engine.kv_accounting import kv_accounting
+    from flashtier.engine.kv.accounting import kv_accounting
     from flashtier.engine.model.config import resolve
 
     cfg = resolve(args.model_dir, args.preset)
@@ -56,8 +56,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from flashtier.engine.generate import generate_text_ids, load_for_cli
-    from flashtier.server.engram_map import install_token_map
-    from flashtier.server.tokenizer import Tokenizer
+    from flashtier.server.text.engram_map import install_token_map
+    from flashtier.server.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_dir(args.model_dir)
     model = load_for_cli(args.model_dir, args.preset, seed=args.weights_seed)
@@ -103,16 +103,16 @@ def _serve_seed(settings: ServerSettings) -> None:
 def _serve(args: argparse.Namespace, engine_factory: EngineClientFactory | None = None) -> int:
     import logging
 
-    from flashtier.server.kv_dir_lock import KVDirLock
-    from flashtier.server.settings import build_settings
-    from flashtier.server.settings_checks import preflight
+    from flashtier.server.config.kv_dir_lock import KVDirLock
+    from flashtier.server.config.settings import build_settings
+    from flashtier.server.config.checks import preflight
 
     # settings first, the app (torch, the tokenizer stack: ~3 s of imports) only once they pass: a bad flag
     # is one line within a fraction of a second
     settings = build_settings(args, os.environ)
     configure_logging(settings.log_level)
     for warning in preflight(settings):  # SettingsError (a ValueError) ends main() with one line
-        logging.getLogger("flashtier.server.settings").warning("%s", warning)
+        logging.getLogger("flashtier.server.config.settings").warning("%s", warning)
     kv_dir = settings.kvstore.ssd_dir
     kv_lock = KVDirLock.acquire(os.path.abspath(os.path.expanduser(kv_dir))) if kv_dir else None  # KVDirInUse: 2
     try:
@@ -137,8 +137,8 @@ def _model_engine(s: ServerSettings) -> EngineClient:
     from flashtier.engine.factory import build_async_engine
     from flashtier.engine.model.config import resolve
     from flashtier.engine.model.loader import demo_checkpoint
-    from flashtier.server.engram_map import model_token_map
-    from flashtier.server.tokenizer import Tokenizer
+    from flashtier.server.text.engram_map import model_token_map
+    from flashtier.server.text.tokenizer import Tokenizer
 
     config = s.engine_config()
     # The demo checkpoint (seeded random weights) in the cache directory. On a GPU in bf16/fp32 the engine makes
@@ -163,7 +163,7 @@ def _parallel_engine(s: ServerSettings, config: EngineConfig, token_map: torch.T
 
     from flashtier.engine.parallel.executor import start_parallel_engine
 
-    logging.getLogger("flashtier.server.settings").warning(
+    logging.getLogger("flashtier.server.config.settings").warning(
         "--tensor-parallel-size %d: the SSD tier and the snapshot pool are off (tiers are single-process for "
         "now); each rank keeps its HBM prefix cache", s.tensor_parallel_size)
     return start_parallel_engine(s.parallel_config(), config, s.kvstore, token_map, seed=s.seed)
@@ -202,16 +202,16 @@ def build_parser(engine_factory: EngineClientFactory | None = None) -> argparse.
     gen.add_argument("--weights-seed", type=int, default=0, help=argparse.SUPPRESS)
     gen.set_defaults(func=_generate)
 
-    from flashtier.server.settings import add_serve_arguments
+    from flashtier.server.config.settings import add_serve_arguments
 
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (no MODEL_DIR: the demo 'tiny' model)")
     srv.add_argument("--version", action="version", version=__version__)
     add_serve_arguments(srv)
     srv.set_defaults(func=functools.partial(_serve, engine_factory=engine_factory))
 
-    from flashtier.server.kv_admin import add_kv_parser
+    from flashtier.server.kv_admin.command import add_kv_parser
 
-    add_kv_parser(sub)  # kv stats | verify | wipe: the SSD tier's operator tools (kv_admin.py)
+    add_kv_parser(sub)  # kv stats | verify | wipe: the SSD tier's operator tools (kv_admin/command.py)
     return p
 
 

@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flashtier import __version__
-from flashtier.server.chat_prompt import render_chat
-from flashtier.server.errors import BadRequest
-from flashtier.server.frontend_pool import INLINE_CHARS
-from flashtier.server.json_chunks import json_array
-from flashtier.server.pooled_route import PooledJSONRoute
-from flashtier.server.protocol import DetokenizeRequest, TokenizeRequest
-from flashtier.server.protocol_responses import (
+from flashtier.server.openai.chat_prompt import render_chat
+from flashtier.server.http.errors import BadRequest
+from flashtier.server.http.frontend_pool import INLINE_CHARS
+from flashtier.server.http.json_chunks import json_array
+from flashtier.server.http.pooled_route import PooledJSONRoute
+from flashtier.server.protocol.request_models import DetokenizeRequest, TokenizeRequest
+from flashtier.server.protocol.response_models import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
@@ -34,9 +34,9 @@ from flashtier.server.protocol_responses import (
     ModelList,
     TokenizeResponse,
 )
-from flashtier.server.request_checks import check_text
-from flashtier.server.settings import DEMO_NOTE
-from flashtier.server.state import ServerState, get_state
+from flashtier.server.serving.request_checks import check_text
+from flashtier.server.config.settings import DEMO_NOTE
+from flashtier.server.serving.state import ServerState, get_state
 
 router = APIRouter(route_class=PooledJSONRoute)
 _VERSION_SCHEMA = {"type": "object", "properties": {"version": {"type": "string"}}, "required": ["version"]}

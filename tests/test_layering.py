@@ -12,6 +12,8 @@ so each rule sees every spelling of the same import.
 """
 
 import ast
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -190,7 +192,7 @@ def test_checker_flags_a_relative_import_leaving_the_package(tmp_path):
         "from flashtier.engine.checkpoint import CheckpointReader\n",
         "from flashtier.engine import sampler\n",
         "from flashtier import engine\n",
-        "import flashtier.engine.sampler\n",
+        "import flashtier.engine.sample.sampler\n",
         "from ..sampler import Sampler\n",
         "from .. import sampler\n",
     ],
@@ -210,7 +212,7 @@ def test_checker_lets_a_subpackage_import_itself_and_other_packages(tmp_path):
         "from flashtier.engine import model\n"
         "from .config import preset\n"
         "from . import norm\n"
-        "from flashtier.kernels.fp8_weight import quantize_fp8_weight\n"
+        "from flashtier.kernels.quant.fp8_weight import quantize_fp8_weight\n"
         "import torch\n"
     )
     assert _parent_imports(model / "ok.py", "engine/model", root=tmp_path) == []
@@ -226,3 +228,177 @@ def test_checker_catches_a_relative_import(tmp_path):
         "engine/model/bad.py:2 (-> flashtier.engine.model.norm.RMSNorm)",
         "engine/model/bad.py:3 (-> flashtier.engine.sampler)",
     ]
+
+
+# ----------------------------------------------------------------------------- subpackages
+#
+# Every folder with an __init__.py under the four source folders is a unit ("engine.kv"; a folder's own
+# modules are the unit of the folder: "engine"). docs/architecture.md's table lists each unit's arrows (what
+# it may import); the code and the table must agree both ways, and the graph has no cycle. An import across
+# units must name a module the target lists in its __init__'s ``__all__``.
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _units(root: Path = ROOT) -> set[str]:
+    return {".".join(init.parent.relative_to(root).parts) for package in PACKAGES
+            for init in (root / package).rglob("__init__.py")}
+
+
+def _unit_of(dotted: str, units: set[str]) -> str | None:
+    """The deepest unit a dotted name (``flashtier.engine.kv.manager.KVManager``) lies in."""
+    parts = dotted.split(".")[1:] if dotted.startswith("flashtier.") else []
+    for k in range(len(parts), 0, -1):
+        if ".".join(parts[:k]) in units:
+            return ".".join(parts[:k])
+    return None
+
+
+def _annotation_only_lines(tree: ast.AST) -> set[int]:
+    """Line numbers of imports under ``if TYPE_CHECKING:`` (annotations: not arrows)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            lines |= {n.lineno for stmt in node.body for n in ast.walk(stmt) if hasattr(n, "lineno")}
+    return lines
+
+
+@dataclass(frozen=True)
+class CrossImport:
+    """One import from unit ``src`` into unit ``dst``: ``module`` is the first name below ``dst``."""
+
+    where: str
+    src: str
+    dst: str
+    module: str
+    annotation_only: bool
+
+
+def _cross_imports(root: Path = ROOT) -> list[CrossImport]:
+    units = _units(root)
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            src = ".".join(path.parent.relative_to(root).parts)
+            typing_only = _annotation_only_lines(ast.parse(path.read_text()))
+            for line, name, _ in _resolved_imports(path, root):
+                dst = _unit_of(name, units)
+                if dst is None or dst == src:
+                    continue
+                below = name.split(".")[1:][len(dst.split(".")):]
+                found.append(CrossImport(f"{path.relative_to(root)}:{line}", src, dst, below[0] if below else "",
+                                         line in typing_only))
+    return found
+
+
+def _documented_arrows(text: str) -> dict[str, set[str]]:
+    """unit -> the units it may import, from the table after the ``<!-- arrows`` marker."""
+    table = text.split("<!-- arrows", 1)[1].split("\n\n", 1)[0]
+    arrows = {}
+    for row in table.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            arrows[cells[0].strip("`")] = set(re.findall(r"`([\w.]+)`", cells[2]))
+    return arrows
+
+
+def _cycle(arrows: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph (as a path that returns to its start), or []."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(unit: str) -> list[str]:
+        state[unit] = 1
+        stack.append(unit)
+        for nxt in sorted(arrows.get(unit, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[unit] = 2
+        stack.pop()
+        return []
+
+    for unit in sorted(arrows):
+        if unit not in state and (found := visit(unit)):
+            return found
+    return []
+
+
+def _public(unit: str, root: Path = ROOT) -> set[str]:
+    """The names in ``unit``'s ``__all__`` (read from its __init__.py, nothing imported)."""
+    tree = ast.parse(root.joinpath(*unit.split("."), "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _arrow_problems(root: Path, documented: dict[str, set[str]]) -> list[str]:
+    problems = []
+    actual: dict[str, set[str]] = {}
+    for imp in _cross_imports(root):
+        if not imp.annotation_only:
+            actual.setdefault(imp.src, set()).add(imp.dst)
+            if imp.dst not in documented.get(imp.src, set()):
+                problems.append(f"{imp.where}: {imp.src} -> {imp.dst} is not an arrow of the table")
+    for src, dsts in documented.items():
+        problems += [f"the table's arrow {src} -> {dst} is not an import" for dst in dsts - actual.get(src, set())]
+    problems += [f"unit {u} has no row in the table" for u in sorted(_units(root) - set(documented))
+                 if any(p.suffix == ".py" and p.name != "__init__.py" for p in root.joinpath(*u.split(".")).iterdir())]
+    return problems
+
+
+def test_subpackage_imports_are_the_documented_arrows():
+    assert _arrow_problems(ROOT, _documented_arrows(ARCHITECTURE.read_text())) == []
+
+
+def test_the_documented_arrows_have_no_cycle():
+    assert _cycle(_documented_arrows(ARCHITECTURE.read_text())) == []
+
+
+def test_imports_across_subpackages_name_public_modules():
+    bad = [f"{imp.where}: {imp.dst}.{imp.module} is not in {imp.dst}'s __all__"
+           for imp in _cross_imports() if imp.module and imp.module not in _public(imp.dst)]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_subpackage_says_what_lives_there():
+    bare = [u for u in sorted(_units()) if not ast.get_docstring(ast.parse(
+        ROOT.joinpath(*u.split("."), "__init__.py").read_text()))]
+    assert bare == []
+
+
+def _tiny_tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for package in PACKAGES:
+        (tmp_path / package).mkdir(exist_ok=True)
+        (tmp_path / package / "__init__.py").touch()
+    return tmp_path
+
+
+def test_checker_catches_an_undocumented_arrow_and_a_cycle(tmp_path):
+    root = _tiny_tree(tmp_path, {
+        "engine/a/__init__.py": '"""A."""\n__all__ = ["x"]\n', "engine/a/x.py": "from flashtier.engine.b.y import Y\n",
+        "engine/b/__init__.py": '"""B."""\n__all__ = ["y"]\n', "engine/b/y.py": "from flashtier.engine.a.x import X\n",
+    })
+    documented = {"engine.a": {"engine.b"}, "engine.b": set()}
+    assert _arrow_problems(root, documented) == ["engine/b/y.py:1: engine.b -> engine.a is not an arrow of the table"]
+    assert _cycle({"engine.a": {"engine.b"}, "engine.b": {"engine.a"}}) == ["engine.a", "engine.b", "engine.a"]
+
+
+def test_checker_skips_annotation_imports_and_flags_a_private_module(tmp_path):
+    root = _tiny_tree(tmp_path, {
+        "engine/a/__init__.py": '"""A."""\n__all__ = ["x"]\n', "engine/a/x.py": "X = 1\n",
+        "engine/a/_own.py": "Z = 1\n",
+        "engine/b/__init__.py": '"""B."""\n', "engine/b/y.py": (
+            "from typing import TYPE_CHECKING\nfrom flashtier.engine.a._own import Z\n"
+            "if TYPE_CHECKING:\n    from flashtier.engine.a.x import X\n"),
+    })
+    imports = _cross_imports(root)
+    assert [(i.dst, i.module, i.annotation_only) for i in imports] == [("engine.a", "_own", False),
+                                                                      ("engine.a", "x", True)]
+    assert [i.module for i in imports if i.module not in _public(i.dst, root)] == ["_own"]

@@ -4,7 +4,7 @@
 
 The JSON files are checked in (Grafana's provisioning reads them); tests/deploy/test_dashboards.py fails
 when they differ from what this file builds, and ties every query to a metric the server exports
-(server/metrics.py); tests/deploy/test_live_stack.py evaluates every query on a real Prometheus
+(server/serving/metrics.py); tests/deploy/test_live_stack.py evaluates every query on a real Prometheus
 scraping a real server. Every selector filters on the ``instance`` variable; rates use Grafana's
 ``$__rate_interval``.
 """

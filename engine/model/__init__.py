@@ -1,1 +1,10 @@
-"""flashtier.engine.model."""
+"""The model: configuration, the official checkpoint layout (reader, writer, loaders), the layers and the
+reference, incremental, batched and paged forwards.
+"""
+
+# The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
+__all__ = [
+    "attention", "batch_attention", "batch_forward", "compressor", "config", "dense_entries", "device_loader",
+    "dspark", "engram", "engram_offload", "incremental", "init", "layer_forward", "loader", "mhc", "moe",
+    "numerics", "paged_forward", "step_rows", "transformer",
+]

@@ -18,7 +18,7 @@ from flashtier.engine.model.indexer import Indexer
 from flashtier.engine.model.norm import RMSNorm
 from flashtier.engine.model.numerics import qdq, up
 from flashtier.engine.model.rope import make_rope
-from flashtier.kernels.quant_fp8 import fp8_qdq
+from flashtier.kernels.quant.fp8 import fp8_qdq
 
 
 class Attention(nn.Module):

@@ -17,9 +17,9 @@ from flashtier.engine.model.block import Block
 from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.dense_entries import DenseWrites, write_dense
 from flashtier.engine.model.step_rows import StepRows
-from flashtier.kernels.indexer_topk import indexer_topk, indexer_topk_with_candidates
-from flashtier.kernels.quant_fp8 import pack_fp8_record, quantize_fp8
-from flashtier.kernels.sparse_mqa import sparse_mqa_decode
+from flashtier.kernels.indexer_topk.op import indexer_topk, indexer_topk_with_candidates
+from flashtier.kernels.quant.fp8 import pack_fp8_record, quantize_fp8
+from flashtier.kernels.sparse_mqa.op import sparse_mqa_decode
 
 
 @dataclass(frozen=True)

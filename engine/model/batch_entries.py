@@ -14,8 +14,8 @@ import torch
 from flashtier.engine.model.block import Block
 from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.step_rows import EntryWrites
-from flashtier.kernels.quant_fp4 import pack_fp4_record, quantize_fp4
-from flashtier.kernels.quant_mxfp4 import pack_mxfp4_record, quantize_mxfp4
+from flashtier.kernels.quant.fp4 import pack_fp4_record, quantize_fp4
+from flashtier.kernels.quant.mxfp4 import pack_mxfp4_record, quantize_mxfp4
 
 
 def _latents(block: Block, h: torch.Tensor, w: EntryWrites) -> tuple[torch.Tensor, list[PartialGroup]]:

@@ -25,7 +25,7 @@ from flashtier.engine.model.layer_forward import GlobalEntries, LocalKeys, StepS
 from flashtier.engine.model.mhc import identity_pre
 from flashtier.engine.model.numerics import qdq
 from flashtier.engine.model.transformer import Transformer
-from flashtier.kernels.quant_fp8 import fp8_qdq
+from flashtier.kernels.quant.fp8 import fp8_qdq
 
 
 class SequenceKV(Protocol):

@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from flashtier.kernels.fp8_weight import dequantize_fp8_weight
-from flashtier.kernels.quant_mxfp4 import dequantize_mxfp4
+from flashtier.kernels.quant.fp8_weight import dequantize_fp8_weight
+from flashtier.kernels.quant.mxfp4 import dequantize_mxfp4
 
 logger = logging.getLogger("flashtier.engine.checkpoint")
 

@@ -32,8 +32,8 @@ from flashtier.engine.model.checkpoint_reader import (
     dequantize,
     scale_name,
 )
-from flashtier.kernels.fp8_weight import quantize_fp8_weight
-from flashtier.kernels.quant_mxfp4 import quantize_mxfp4
+from flashtier.kernels.quant.fp8_weight import quantize_fp8_weight
+from flashtier.kernels.quant.mxfp4 import quantize_mxfp4
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")

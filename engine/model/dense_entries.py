@@ -10,7 +10,7 @@ returned, so the caller turns those of even positions into the sequences' new gr
 
 Same ops in the same order as ``write_entries`` (``project_pairs`` / ``pool_pairs`` / ``project_single``,
 RoPE, the FP4 / MXFP4 records), only over all rows: the entries are identical when the ops are invariant to
-the row count (engine/decode_graphs.py's tests).
+the row count (engine/runner/decode_graphs.py's tests).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from flashtier.engine.model.block import Block
-from flashtier.kernels.quant_fp4 import pack_fp4_record, quantize_fp4
-from flashtier.kernels.quant_mxfp4 import pack_mxfp4_record, quantize_mxfp4
+from flashtier.kernels.quant.fp4 import pack_fp4_record, quantize_fp4
+from flashtier.kernels.quant.mxfp4 import pack_mxfp4_record, quantize_mxfp4
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from flashtier.engine.model.moe import MoE
 from flashtier.engine.model.moe_convert import convert_experts_
 from flashtier.engine.model.placement import quantize_linears_
 from flashtier.engine.model.transformer import Transformer, weight_formats
-from flashtier.kernels.fp8_weight import as_e4m3fn, as_e8m0
+from flashtier.kernels.quant.fp8_weight import as_e4m3fn, as_e8m0
 
 _EXPERT = re.compile(r"^(?P<moe>.+\.ffn)\.(?:experts\.(?P<e>\d+)|shared_experts)\.(?P<w>w[123])\.weight$")
 

@@ -16,7 +16,7 @@ Each stage is a full-width block with SWA-only attention (ratio 0) and a small M
 Official source: ``inference/model.py`` of V4.1 (``Transformer.forward`` collects ``h.mean(dim=2)`` before
 blocks 37-39; ``DSparkAttention.forward`` seeds ``window_kv_cache[start_pos % win]`` with the real token's
 KV and attends to ``arange(min(win, start_pos + 1))`` ring slots plus the block; ``forward_head`` feeds the
-un-normed collapse to the confidence head). The sampling loop itself lives in the engine (spec_drafter.py):
+un-normed collapse to the confidence head). The sampling loop itself lives in the engine (spec/drafter.py):
 it needs each request's temperature and generator.
 """
 

@@ -26,7 +26,7 @@ from torch import nn
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.numerics import up
-from flashtier.kernels.row_reduce import mean_square, row_sum
+from flashtier.kernels.row_reduce.op import mean_square, row_sum
 
 
 def _is_prime(n: int) -> bool:
@@ -134,7 +134,7 @@ class Engram(nn.Module):
         value = kv[:, hc * d :]
         h = up(h)
         eps = cfg.rms_norm_eps
-        # row reductions of fixed order on CUDA (kernels/row_reduce.py): a token's gate does not move with its batch
+        # row reductions of fixed order on CUDA (kernels/row_reduce/op.py): a token's gate does not move with its batch
         rh = torch.rsqrt(mean_square(h) + eps)
         rk = torch.rsqrt(mean_square(key) + eps)
         dot = row_sum(h * self.q_weight * self.k_weight * key) * rh * rk / math.sqrt(d)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from flashtier.engine.model.engram_table import ROW_BLOCK, HostTable
-from flashtier.kernels._quant_common import FLOAT_DTYPES
-from flashtier.kernels.fp8_weight import dequantize_fp8_weight
+from flashtier.kernels.quant.common import FLOAT_DTYPES
+from flashtier.kernels.quant.fp8_weight import dequantize_fp8_weight
 
 DEFAULT_TOKENS = 512  # staging rows per slot = tokens x hashes (EngineConfig's default token budget)
 
@@ -106,7 +106,7 @@ class HostEngramTables:
         self._map: tuple[torch.Tensor, torch.Tensor] | None = None  # (model's token map, its host copy)
         self.prefetched = self.on_demand = 0  # how the rows reached the Engram layers (tests, metrics)
         # layer -> device rows [T, H, hd] that take() returns as they are: set by a CUDA-graph runner around its
-        # warm-up and capture (engine/decode_graphs.py fills them before each replay); None otherwise
+        # warm-up and capture (engine/runner/decode_graphs.py fills them before each replay); None otherwise
         self.feed: dict[int, torch.Tensor] | None = None
         self.reserve(max_tokens)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtier.kernels.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
+from flashtier.kernels.quant.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
 
 ROW_BLOCK = (1, 32)  # the checkpoint's fp8_rows scale block (one e8m0 per 32 values of a row)
 _CHUNK_ROWS = 1 << 18  # rows quantised at a time when a float table moves to the host

@@ -2,7 +2,7 @@
 
 ``ExpertWeights`` holds the routed experts stacked in MXFP4 (e2m1 codes two per byte, even element in the
 low nibble, one e8m0 scale per 32 along K) and the shared expert in FP8 (e4m3 codes, one ue8m0 scale per
-32 x 32 block), as uint8 buffers laid out as ``kernels/moe_weights.py`` describes: w1 and w3 are fused
+32 x 32 block), as uint8 buffers laid out as ``kernels/moe/weights.py`` describes: w1 and w3 are fused
 along the output axis (w1 first), so the grouped GEMM reads one tensor per projection.
 
     routed  w13_codes [E, 2I, D/2]  w13_scales [E, 2I, D/32]  w2_codes [E, D, I/2]  w2_scales [E, D, I/32]
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from flashtier.kernels.fp8_weight import as_raw_bytes, quantize_fp8_weight
-from flashtier.kernels.moe_grouped_gemm_ref import DenseExpert, dense_fp8_expert, dense_mxfp4_expert
-from flashtier.kernels.moe_weights import FP8Expert, MXFP4Experts
-from flashtier.kernels.quant_mxfp4 import quantize_mxfp4
+from flashtier.kernels.quant.fp8_weight import as_raw_bytes, quantize_fp8_weight
+from flashtier.kernels.moe.grouped_gemm_reference import DenseExpert, dense_fp8_expert, dense_mxfp4_expert
+from flashtier.kernels.moe.weights import FP8Expert, MXFP4Experts
+from flashtier.kernels.quant.mxfp4 import quantize_mxfp4
 
 Packed = tuple[torch.Tensor, torch.Tensor]  # (codes, scales) of one weight matrix, as stored
 

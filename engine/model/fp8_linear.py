@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtier.engine.model.numerics import qdq, up
-from flashtier.kernels.fp8_gemm import act_quant as act_quant_codes
-from flashtier.kernels.fp8_gemm import fp8_gemm
-from flashtier.kernels.fp8_weight import dequantize_fp8_weight, quantize_fp8_weight
-from flashtier.kernels.quant_fp8 import fp8_qdq
+from flashtier.kernels.fp8_gemm.op import act_quant as act_quant_codes
+from flashtier.kernels.fp8_gemm.op import fp8_gemm
+from flashtier.kernels.quant.fp8_weight import dequantize_fp8_weight, quantize_fp8_weight
+from flashtier.kernels.quant.fp8 import fp8_qdq
 
 WEIGHT_BLOCK = (32, 32)
 
@@ -81,7 +81,7 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, w: torch.Tensor, device: torch.device | str | None = None) -> "Fp8Linear":
-        """Quantise a float weight [N, K] in 32x32 blocks (``kernels/fp8_weight.py``) on ``device``.
+        """Quantise a float weight [N, K] in 32x32 blocks (``kernels/quant/fp8_weight.py``) on ``device``.
 
         A weight already snapped to the format (``init.snap_to_formats``, a loaded checkpoint) dequantises
         back to exactly the same values. Does not modify ``w``.

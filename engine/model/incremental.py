@@ -26,7 +26,7 @@ from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.layer_forward import EntryStore, LocalKeys
 from flashtier.engine.model.numerics import qdq
 from flashtier.engine.model.transformer import Transformer
-from flashtier.kernels.quant_fp8 import fp8_qdq
+from flashtier.kernels.quant.fp8 import fp8_qdq
 
 
 @dataclass

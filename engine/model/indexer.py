@@ -20,7 +20,7 @@ from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.norm import RMSNorm
 from flashtier.engine.model.numerics import linear_up, qdq, up
 from flashtier.engine.model.rope import make_rope
-from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
+from flashtier.kernels.quant.mxfp4 import mxfp4_qdq
 
 
 class Indexer(nn.Module):

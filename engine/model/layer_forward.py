@@ -25,9 +25,9 @@ from flashtier.engine.model.block import Block
 from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.indexer import candidate_pool, index_scores, select_topk
 from flashtier.engine.model.numerics import qdq
-from flashtier.kernels.quant_fp4 import fp4_qdq
-from flashtier.kernels.quant_fp8 import fp8_qdq
-from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
+from flashtier.kernels.quant.fp4 import fp4_qdq
+from flashtier.kernels.quant.fp8 import fp8_qdq
+from flashtier.kernels.quant.mxfp4 import mxfp4_qdq
 
 
 @dataclass

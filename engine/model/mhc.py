@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 from flashtier.engine.model.numerics import linear_up, up
-from flashtier.kernels.mhc_coeffs import mhc_coeffs
-from flashtier.kernels.mhc_streams import hc_collapse, hc_expand
-from flashtier.kernels.row_reduce import mean_square
+from flashtier.kernels.mhc.coeffs import mhc_coeffs
+from flashtier.kernels.mhc.streams import hc_collapse, hc_expand
+from flashtier.kernels.row_reduce.op import mean_square
 
 
 @dataclass(frozen=True)

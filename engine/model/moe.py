@@ -8,9 +8,9 @@
     y   = sum of the routed experts in ascending id + shared_expert(xq)   (V4.1 clamps the shared expert too)
 
 The spec of each piece, with what it settles that the official code leaves open, lives beside its kernel:
-routing in ``kernels/moe_route_ref.py``, the experts and the two FP8 activation quantisations (where the
+routing in ``kernels/moe/route_reference.py``, the experts and the two FP8 activation quantisations (where the
 official ``linear()`` runs ``act_quant`` before ``fp4_gemm`` / ``fp8_gemm``) in
-``kernels/moe_grouped_gemm_ref.py``. Two paths run it:
+``kernels/moe/grouped_gemm_reference.py``. Two paths run it:
 
 - float experts (``nn.Linear`` per expert: what the checkpoint loader builds, the CPU engine and the
   float64 oracle run): the reference, plain torch, a Python loop over the chosen experts;
@@ -25,9 +25,9 @@ from torch import nn
 
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.model.expert_weights import ExpertWeights
-from flashtier.kernels.moe_grouped_gemm import moe_grouped_ffn
-from flashtier.kernels.moe_grouped_gemm_ref import DenseExpert, moe_ffn_reference
-from flashtier.kernels.moe_route import moe_route
+from flashtier.kernels.moe.grouped_gemm import moe_grouped_ffn
+from flashtier.kernels.moe.grouped_gemm_reference import DenseExpert, moe_ffn_reference
+from flashtier.kernels.moe.route import moe_route
 
 
 class Gate(nn.Module):

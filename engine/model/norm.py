@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from flashtier.engine.model.numerics import up
-from flashtier.kernels.rms_norm import rms_norm
+from flashtier.kernels.rms_norm.op import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,5 +17,5 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one batch-invariant Triton launch on CUDA (kernels/rms_norm.py), the torch expression elsewhere
+        # one batch-invariant Triton launch on CUDA (kernels/rms_norm/op.py), the torch expression elsewhere
         return rms_norm(up(x), self.weight, self.eps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtier.kernels.invariant_linear import linear as invariant_linear
+from flashtier.kernels.invariant_linear.op import linear as invariant_linear
 
 
 def up(x: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def qdq(op, x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_up(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, up(w))`` in x's precision, batch invariant on CUDA (``kernels/invariant_linear.py``):
+    """``F.linear(x, up(w))`` in x's precision, batch invariant on CUDA (``kernels/invariant_linear/op.py``):
     a row's bits do not depend on the other rows of the call. A bf16 weight under fp32 x is read as stored
     (upcast exactly inside the kernel: no fp32 copy of the weight)."""
     if w.dtype != x.dtype and not (w.dtype == torch.bfloat16 and x.dtype == torch.float32):

@@ -15,7 +15,7 @@ import torch
 
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.model.numerics import up
-from flashtier.kernels.rope import rope_rotate
+from flashtier.kernels.rope.op import rope_rotate
 
 
 def _yarn_correction_dim(n_rot: float, dim: int, base: float, orig_len: int) -> float:
@@ -60,7 +60,7 @@ class Rope:
 
         Tokens are the first axis; any middle axes (heads) broadcast. Returns a new fp32 tensor (float64 for
         float64 x); ``inverse`` rotates by ``-pos`` (undoes the rotation). One Triton launch on CUDA
-        (``kernels/rope.py``), the torch expression elsewhere.
+        (``kernels/rope/op.py``), the torch expression elsewhere.
         """
         x = up(x)
         return rope_rotate(x, pos, self._freqs(pos.device, x.dtype), self.rope_dim, inverse=inverse)

@@ -1,10 +1,10 @@
 """What the batched forward needs to know about one part (encoder or decoder) of a step, on the device.
 
 A step's query rows are every sequence's new positions, back to back (seq A: a0 a1 a2 | seq B: b0 | ...).
-``StepRows`` is built once per part on the host (engine/step_metadata.py) with one copy to the device and is
+``StepRows`` is built once per part on the host (engine/runner/step_metadata.py) with one copy to the device and is
 read by every layer; no layer loops over sequences. Window keys are addressed as a ``[T, W]`` gather: column
 j of row t is position ``pos[t] - W + 1 + j``, read from this step's rows when it is at or after the row's
-chunk start, else from the sequence's ring slot in the arena (engine/ring_arena.py)::
+chunk start, else from the sequence's ring slot in the arena (engine/kv/ring_arena.py)::
 
     row t (pos p):   j = 0 ........................... W-1
                      p-W+1 ......... chunk_start ...... p

@@ -17,6 +17,7 @@ from flashtier.engine.parallel.process_group import (
 )
 from flashtier.engine.parallel.shard_model import shard_model_
 
+# The names and modules the rest of flashtier may import (tests/test_layering.py).
 __all__ = [
     "GroupComm",
     "ParallelConfig",
@@ -25,4 +26,6 @@ __all__ = [
     "init_distributed",
     "shard_model_",
     "shutdown_distributed",
+    "executor",
+    "parallel_config",
 ]

@@ -23,7 +23,7 @@ import torch
 
 from flashtier.engine.parallel.group_comm import GroupComm
 from flashtier.engine.parallel.shard import Shard
-from flashtier.kernels.quant_fp8 import FP8_BLOCK, fp8_qdq
+from flashtier.kernels.quant.fp8 import FP8_BLOCK, fp8_qdq
 
 
 def column_shard_qdq(x: torch.Tensor, cols: Shard, width: int, comm: GroupComm) -> torch.Tensor:

@@ -37,14 +37,14 @@ import torch
 from flashtier.engine.async_engine import EngineDeadError
 from flashtier.engine.client import QueueFullError
 from flashtier.engine.config import EngineConfig
-from flashtier.engine.outputs import EngineStats, RequestOutput
+from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.parallel.executor_messages import AbortEvent, AddEvent, EngineInfo, Failed, StepDone, StepInput
 from flashtier.engine.parallel.parallel_config import ParallelConfig
 from flashtier.engine.parallel.rank_processes import RankProcesses
 from flashtier.engine.parallel.rank_worker import RankSpec
 from flashtier.engine.parallel.step_pacer import StepPacer
 from flashtier.engine.parallel.wire_params import ParamsEncoder
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 __all__ = ["ParallelEngineClient", "start_parallel_engine"]

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashtier.engine.outputs import EngineStats, RequestOutput
+from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.parallel.wire_params import WireParams
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 
 
 @dataclass(frozen=True)

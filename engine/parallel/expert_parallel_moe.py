@@ -25,8 +25,8 @@ from flashtier.engine.parallel.expert_dispatch import combine, dispatch
 from flashtier.engine.parallel.group_comm import GroupComm
 from flashtier.engine.parallel.shard import even_shard
 from flashtier.engine.parallel.sliced_expert import SlicedExpert
-from flashtier.kernels.moe_grouped_gemm_ref import act_qdq, combine_reference, moe_ffn_reference
-from flashtier.kernels.moe_route import moe_route
+from flashtier.kernels.moe.grouped_gemm_reference import act_qdq, combine_reference, moe_ffn_reference
+from flashtier.kernels.moe.route import moe_route
 
 
 class ExpertParallelMoE(nn.Module):

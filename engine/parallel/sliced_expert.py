@@ -3,7 +3,7 @@
 Rank r holds rows ``inter`` of w1 (gate) and w3 (up) and the same columns of w2 (down): column- then
 row-parallel, so the rank's output is a partial sum and the caller all-reduces (once for the whole MoE
 block, see ``tensor_parallel_moe.py``). The math is the spec's ``expert_ffn_reference``
-(kernels/moe_grouped_gemm_ref.py) on the slice; the one difference is the FP8 quantisation of w2's
+(kernels/moe/grouped_gemm_reference.py) on the slice; the one difference is the FP8 quantisation of w2's
 input, whose 32-blocks may straddle ranks (``column_quant.py``). Parameter names stay the checkpoint's
 (``w1`` / ``w2`` / ``w3``): a sharded loader fills them with its slice of each tensor.
 """

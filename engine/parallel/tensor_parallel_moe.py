@@ -21,8 +21,8 @@ from flashtier.engine.model.moe import MoE
 from flashtier.engine.parallel.group_comm import GroupComm
 from flashtier.engine.parallel.shard import even_shard
 from flashtier.engine.parallel.sliced_expert import SlicedExpert
-from flashtier.kernels.moe_grouped_gemm_ref import act_qdq
-from flashtier.kernels.moe_route import moe_route
+from flashtier.kernels.moe.grouped_gemm_reference import act_qdq
+from flashtier.kernels.moe.route import moe_route
 
 
 class TensorParallelMoE(nn.Module):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
-from flashtier.engine.output_constraint import OutputConstraint
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.grammar.constraint import OutputConstraint
+from flashtier.engine.sample.params import SamplingParams
 
 __all__ = ["ParamsDecoder", "ParamsEncoder", "WireConstraint", "WireParams"]
 

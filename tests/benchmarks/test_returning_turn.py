@@ -6,8 +6,8 @@ import pytest
 
 from _turn_evidence import evidence, fit_prompt, moved, problems, prompt_ids, scrape
 
-from flashtier.engine.outputs import CacheUsage, EngineStats, ResumeInfo
-from flashtier.server.state import usage_dict
+from flashtier.engine.core.outputs import CacheUsage, EngineStats, ResumeInfo
+from flashtier.server.serving.state import usage_dict
 
 BLOCK_BYTES, SNAPSHOT_BYTES = 56_960, 11_929_319  # real geometry: one 64-token block; one snapshot payload
 
@@ -16,7 +16,7 @@ def _registry_turn(tiers_after: dict[str, float], cached: dict[str, int], kind: 
     """(before, after) scrapes of a real ServerMetrics around one turn that moved these counters."""
     from prometheus_client import generate_latest
 
-    from flashtier.server.metrics import ServerMetrics
+    from flashtier.server.serving.metrics import ServerMetrics
 
     tiers = {"ssd_blocks_written": 40.0, "ssd_bytes_read": 0.0, "ssd_bytes": 1e6}
     m = ServerMetrics("flashtier tiny", stats=lambda: EngineStats(tiers=dict(tiers)))  # a name with a space

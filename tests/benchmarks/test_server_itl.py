@@ -94,7 +94,7 @@ def test_histogram_from_the_server_registry():
     """The server's own exposition: observations in, the same sum and count out (other series ignored)."""
     from prometheus_client import generate_latest
 
-    from flashtier.server.metrics import ITL, ServerMetrics
+    from flashtier.server.serving.metrics import ITL, ServerMetrics
 
     m = ServerMetrics("flashtier-tiny")
     for v in (0.010, 0.020, 0.045):
@@ -119,8 +119,8 @@ def test_prompts_render_to_exact_lengths():
     """The bench's prompts: each one exactly --prompt ids of the chat template, all distinct; too short fails."""
     from server_itl_bench import make_prompts
 
-    from flashtier.server.chat_encoding import encode_to_ids
-    from flashtier.server.tokenizer import Tokenizer
+    from flashtier.server.text.chat_encoding import encode_to_ids
+    from flashtier.server.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_dir(None)
     for length in (16, 33):

@@ -26,8 +26,8 @@ import pytest
 import yaml
 from compose_spec import PyOptions
 
-from flashtier.server.settings import build_settings
-from flashtier.server.settings_options import OPTIONS
+from flashtier.server.config.settings import build_settings
+from flashtier.server.config.options import OPTIONS
 
 from ..kvstore.redis_server import free_port
 from ..server.conftest import run_server
@@ -201,6 +201,6 @@ def test_the_healthcheck_passes_on_a_ready_server_only(image, tokenizer):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from flashtier.server.tokenizer import Tokenizer
+    from flashtier.server.text.tokenizer import Tokenizer
 
     return Tokenizer()

@@ -21,10 +21,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashtier.engine.engine_stats import tier_stats
-from flashtier.engine.outputs import EngineStats
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.core.outputs import EngineStats
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.server.metrics import ServerMetrics
+from flashtier.server.serving.metrics import ServerMetrics
 
 from ..kvstore.redis_server import free_port
 from .promql_queries import DEPLOY, concrete, dashboard_module, dashboard_queries, rule_queries, selections

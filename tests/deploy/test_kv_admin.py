@@ -21,10 +21,10 @@ import xxhash
 
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.ssd_record import HEADER_BYTES
-from flashtier.kvstore.ssd_store import SSDStore
+from flashtier.kvstore.ssd.record import HEADER_BYTES
+from flashtier.kvstore.ssd.store import SSDStore
 from flashtier.server.cli import main
-from flashtier.server.kv_dir_lock import KVDirInUse, KVDirLock
+from flashtier.server.config.kv_dir_lock import KVDirInUse, KVDirLock
 
 HOUR = 3600.0
 P = 1000
@@ -201,7 +201,7 @@ def test_every_command_refuses_a_directory_a_live_server_holds(tier, capsys):
 
 
 def test_a_server_cannot_start_while_a_wipe_holds_the_directory(tier):
-    from flashtier.server.kv_admin_lock import admin_access
+    from flashtier.server.kv_admin.lock import admin_access
 
     with admin_access(tier, write=True):
         with pytest.raises(KVDirInUse, match=f"pid {os.getpid()}"):

@@ -34,7 +34,7 @@ import httpx
 import pytest
 import torch
 
-from flashtier.kvstore.ssd_record import HEADER_BYTES
+from flashtier.kvstore.ssd.record import HEADER_BYTES
 from flashtier.server.cli import main
 
 from ..kvstore.redis_server import RedisServer

@@ -9,10 +9,10 @@ reads image by image.
 
 from __future__ import annotations
 
-from flashtier.engine import resume
-from flashtier.engine.kv_manager import KVManager
-from flashtier.engine.restored_run import RestoredRun
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.tiers import resume
+from flashtier.engine.kv.manager import KVManager
+from flashtier.engine.tiers.restored_run import RestoredRun
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.block_hash import BlockHash
 
 

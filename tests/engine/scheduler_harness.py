@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashtier.engine.kv_manager import CachedBlock, KVManager, SequenceSpec
+from flashtier.engine.kv.manager import CachedBlock, KVManager, SequenceSpec
 from flashtier.engine.model.config import preset
 from flashtier.engine.postprocess import Postprocessor
-from flashtier.engine.request import Request, Sequence
-from flashtier.engine.resume import ResumePlan, ResumeResult
-from flashtier.engine.runner import ModelRunnerOutput
-from flashtier.engine.sampler import Sampler
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.core.request import Request, Sequence
+from flashtier.engine.tiers.resume import ResumePlan, ResumeResult
+from flashtier.engine.runner.runner import ModelRunnerOutput
+from flashtier.engine.sample.sampler import Sampler
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.engine.scheduler import Scheduler
-from flashtier.engine.scheduler_output import DecoderKind, SchedulerOutput
-from flashtier.engine.tiers import SnapshotOutcome, TierLookup
+from flashtier.engine.core.scheduler_output import DecoderKind, SchedulerOutput
+from flashtier.engine.tiers.manager import SnapshotOutcome, TierLookup
 from flashtier.kvstore.block_hash import namespace_hash
 from flashtier.kvstore.layout import BlockLayout
 

@@ -8,7 +8,7 @@ import torch
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.scheduler_output import DecoderKind
+from flashtier.engine.core.scheduler_output import DecoderKind
 from flashtier.kvstore.config import KVStoreConfig
 
 DEPTH = 3

@@ -26,8 +26,8 @@ from flashtier.engine.model.engram import Engram
 from flashtier.engine.model.fp8_linear import act_quant
 from flashtier.engine.model.indexer import Indexer
 from flashtier.engine.model.numerics import qdq
-from flashtier.kernels.quant_fp8 import fp8_qdq
-from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
+from flashtier.kernels.quant.fp8 import fp8_qdq
+from flashtier.kernels.quant.mxfp4 import mxfp4_qdq
 
 EXACT, MOVED = 1e-12, 1e-4
 CFG = preset("tiny")

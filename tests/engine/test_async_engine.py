@@ -8,7 +8,7 @@ from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.client import QueueFullError
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

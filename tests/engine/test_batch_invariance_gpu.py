@@ -12,8 +12,8 @@ gets a row and compares them with ``torch.equal``:
 
 A deliberately changed prompt token must break the equality (the comparison can fail). All of it holds on the
 H200 (docs/perf/batch_invariance.json): every float linear, row reduction and mHC stream sum runs a kernel whose
-reduction order is fixed by the weight's shape, never by the row count (kernels/invariant_linear.py,
-row_reduce.py, mhc_streams.py; the FP8 GEMM's K split depends on N and K only).
+reduction order is fixed by the weight's shape, never by the row count (kernels/invariant_linear/op.py,
+row_reduce/op.py, mhc/streams.py; the FP8 GEMM's K split depends on N and K only).
 """
 
 import os
@@ -23,7 +23,7 @@ import torch
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

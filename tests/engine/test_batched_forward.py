@@ -12,7 +12,7 @@ import torch
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
@@ -87,7 +87,7 @@ def test_prefix_hit_bounded_replay(tiny64):
 
 def test_detects_a_broken_window(tiny64, monkeypatch):
     """The comparison can fail: a batched forward that drops the oldest window key is caught."""
-    from flashtier.engine import step_metadata
+    from flashtier.engine.runner import step_metadata
 
     real = step_metadata.build_step_rows
 
@@ -96,7 +96,7 @@ def test_detects_a_broken_window(tiny64, monkeypatch):
         count = (rows.win_count - 1).clamp(min=1)
         return type(rows)(**{**rows.__dict__, "win_count": count, "win_start": rows.win_start + (rows.win_count - count)})
 
-    monkeypatch.setattr("flashtier.engine.paged_runner.build_step_rows", broken)
+    monkeypatch.setattr("flashtier.engine.runner.paged_runner.build_step_rows", broken)
     reqs = [("a", random_prompt(40, seed=7), _greedy(5))]
     with pytest.raises(AssertionError, match="differ|=="):
         _compare(tiny64, reqs)

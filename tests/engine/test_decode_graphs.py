@@ -1,10 +1,10 @@
-"""The decode-graph path's padding (engine/decode_graphs.py) against the unpadded batched forward, on the CPU.
+"""The decode-graph path's padding (engine/runner/decode_graphs.py) against the unpadded batched forward, on the CPU.
 
 Without CUDA the graph object runs its padded static path eagerly (``capture=False``): the same buffers, the
 same pad rows and bucket choice a capture would record. Two engines on the same float64 tiny model run the same
 requests: one plain batched, one whose plain decode steps go through the padded path (batches of 3, 5, ...
 padded to buckets 4, 8, ...), encoder and decoder with the entry writes in their dense form
-(engine/decode_step.py). Logits must agree to 1e-12 relative (only the row count of each op differs), tokens
+(engine/runner/decode_step.py). Logits must agree to 1e-12 relative (only the row count of each op differs), tokens
 must be identical, and every real slot's rings and every real block's entries must be equal byte for byte at
 the end; the pad rows must have written their rings to the pad slot only. With the pad slot pointed at a live slot the same run
 must fail (a sequence's rings overwritten by pad rows).
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from flashtier.engine.config import EngineConfig
-from flashtier.engine.decode_graphs import DecodeGraphs, bucket_size, table_bucket
+from flashtier.engine.runner.decode_graphs import DecodeGraphs, bucket_size, table_bucket
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.engram_offload import tables_to_host_
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
@@ -109,7 +109,7 @@ def test_pad_rows_into_a_live_slot_are_caught(tiny64):
 
 
 def test_least_recently_used_buckets_are_dropped(tiny64, monkeypatch):
-    import flashtier.engine.decode_graphs as dg
+    import flashtier.engine.runner.decode_graphs as dg
 
     monkeypatch.setattr(dg, "MAX_GRAPHS", 1)
     ref_logits, pad_logits = [], []

@@ -1,4 +1,4 @@
-"""CUDA-graph decode steps (engine/decode_graphs.py) against the eager batched forward on CUDA (``-m gpu``).
+"""CUDA-graph decode steps (engine/runner/decode_graphs.py) against the eager batched forward on CUDA (``-m gpu``).
 
 Two engines on the same tiny model on the GPU run the same requests (prompts of 3..40 tokens, 5 sequences
 finishing at different steps, so decode batches of 5 and 3 replay from the 8- and 4-row graphs with pad
@@ -21,7 +21,7 @@ import torch
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.engram_offload import tables_to_host_
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

@@ -13,8 +13,8 @@ from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.incremental import IncrementalModel, greedy_generate
 from flashtier.engine.model.reference import Plan, reference_forward
-from flashtier.engine.sampler import Sampler, SamplerRow
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.sampler import Sampler, SamplerRow
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

@@ -31,8 +31,8 @@ from flashtier.engine.model.engram_table import HostTable
 from flashtier.engine.model.incremental import IncrementalModel
 from flashtier.engine.model.init import random_model, random_model_on_device
 from flashtier.engine.model.loader import save_model
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.kernels.fp8_weight import dequantize_fp8_weight, quantize_fp8_weight
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.kernels.quant.fp8_weight import dequantize_fp8_weight, quantize_fp8_weight
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

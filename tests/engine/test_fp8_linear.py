@@ -23,7 +23,7 @@ from flashtier.engine.model.dspark import dspark_propose, new_rings, seed_rings
 from flashtier.engine.model.fp8_linear import Fp8Linear, act_quant, grouped_linear, linear
 from flashtier.engine.model.placement import quantize_linears_
 from flashtier.engine.model.reference import Plan, reference_forward
-from flashtier.kernels.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
+from flashtier.kernels.quant.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
 
 from .conftest import random_prompt
 

@@ -20,7 +20,7 @@ from flashtier.engine.engine import Engine
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import place_in_formats_
 from flashtier.engine.model.init import random_model_on_device
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

@@ -12,9 +12,9 @@ import torch
 
 import flashtier.engine.model.reference as engine_reference
 from flashtier.engine.model.reference import Plan, reference_forward
-from flashtier.kernels.quant_fp4 import fp4_qdq as kernel_fp4_qdq
-from flashtier.kernels.quant_fp8 import fp8_qdq as kernel_fp8_qdq
-from flashtier.kernels.quant_mxfp4 import mxfp4_qdq as kernel_mxfp4_qdq
+from flashtier.kernels.quant.fp4 import fp4_qdq as kernel_fp4_qdq
+from flashtier.kernels.quant.fp8 import fp8_qdq as kernel_fp8_qdq
+from flashtier.kernels.quant.mxfp4 import mxfp4_qdq as kernel_mxfp4_qdq
 
 from . import independent_forward as ind
 from .conftest import random_prompt, rel_err

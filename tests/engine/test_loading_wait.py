@@ -15,8 +15,8 @@ import time
 from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

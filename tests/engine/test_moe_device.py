@@ -25,10 +25,10 @@ from flashtier.engine.model.expert_weights import ExpertWeights
 from flashtier.engine.model.init import random_model
 from flashtier.engine.model.moe import MoE
 from flashtier.engine.model.moe_convert import convert_experts_
-from flashtier.kernels.fp8_weight import quantize_fp8_weight
-from flashtier.kernels.moe_grouped_gemm_ref import expert_ffn_reference
-from flashtier.kernels.quant_fp8 import fp8_qdq
-from flashtier.kernels.quant_mxfp4 import quantize_mxfp4
+from flashtier.kernels.quant.fp8_weight import quantize_fp8_weight
+from flashtier.kernels.moe.grouped_gemm_reference import expert_ffn_reference
+from flashtier.kernels.quant.fp8 import fp8_qdq
+from flashtier.kernels.quant.mxfp4 import quantize_mxfp4
 
 
 def row_errors(ref, out):

@@ -15,11 +15,11 @@ import pytest
 
 from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
-from flashtier.engine.decode_step import is_plain_decode
+from flashtier.engine.runner.decode_step import is_plain_decode
 from flashtier.engine.engine import Engine
 from flashtier.engine.output_handoff import OutputHandoff
-from flashtier.engine.outputs import ChoiceDelta, RequestOutput
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.core.outputs import ChoiceDelta, RequestOutput
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

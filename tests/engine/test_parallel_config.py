@@ -13,7 +13,7 @@ from flashtier.engine.parallel import GroupComm, ParallelConfig, ParallelGroups,
 from flashtier.engine.parallel.column_quant import column_shard_qdq
 from flashtier.engine.parallel.parallel_attention import HeadShard, shard_attention_
 from flashtier.engine.parallel.shard import Shard, even_shard
-from flashtier.kernels.quant_fp8 import fp8_qdq
+from flashtier.kernels.quant.fp8 import fp8_qdq
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from flashtier.engine.output_constraint import GrammarState, OutputConstraint
+from flashtier.engine.grammar.constraint import GrammarState, OutputConstraint
 from flashtier.engine.parallel.step_pacer import StepPacer
 from flashtier.engine.parallel.wire_params import ParamsDecoder, ParamsEncoder
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 
 
 class Clock:

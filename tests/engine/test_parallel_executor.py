@@ -33,12 +33,12 @@ from flashtier.engine.factory import build_model
 from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.parallel import ParallelConfig
 from flashtier.engine.parallel.executor import ParallelEngineClient, start_parallel_engine
-from flashtier.engine.grammar_compiler import GrammarCompiler
-from flashtier.engine.output_constraint import ConstraintKind, ConstraintSpec, OutputConstraint
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.grammar.compiler import GrammarCompiler
+from flashtier.engine.grammar.constraint import ConstraintKind, ConstraintSpec, OutputConstraint
+from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.server.grammar_service import grammar_vocab
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.server.grammar.service import grammar_vocab
+from flashtier.server.text.tokenizer import Tokenizer
 
 from .conftest import random_prompt
 

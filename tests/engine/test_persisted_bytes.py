@@ -4,12 +4,12 @@ embedded pool or with the SSD tier off."""
 
 import torch
 
-from flashtier.engine.kv_manager import CachedBlock
-from flashtier.engine.request import Request
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.engine.snapshot_codec import payload_size
-from flashtier.engine.tier_client import TierClient
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.kv.manager import CachedBlock
+from flashtier.engine.core.request import Request
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.tiers.snapshot_codec import payload_size
+from flashtier.engine.tiers.client import TierClient
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.block_hash import hash_blocks
 from flashtier.kvstore.config import KVStoreConfig
 

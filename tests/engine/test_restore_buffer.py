@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from flashtier.engine.restore_buffer import RestoreBuffer, RestoreLease
+from flashtier.engine.tiers.restore_buffer import RestoreBuffer, RestoreLease
 
 SLOT = 8
 

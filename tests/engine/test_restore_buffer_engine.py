@@ -11,10 +11,10 @@ import torch
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.snapshot_pool import EmbeddedSnapshotPool
+from flashtier.kvstore.snapshot.pool import EmbeddedSnapshotPool
 
 from .conftest import random_prompt
 from .restore_bytes_oracle import use_bytes_path

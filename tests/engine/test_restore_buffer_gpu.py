@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from flashtier.engine import restored_run
-from flashtier.engine.restore_buffer import RestoreBuffer
-from flashtier.engine.restored_run import RestoredRun
-from flashtier.engine.tiers import LookupQuery, TierManager
+from flashtier.engine.tiers import restored_run
+from flashtier.engine.tiers.restore_buffer import RestoreBuffer
+from flashtier.engine.tiers.restored_run import RestoredRun
+from flashtier.engine.tiers.manager import LookupQuery, TierManager
 from flashtier.kvstore.block_hash import hash_blocks
 from flashtier.kvstore.config import KVStoreConfig
 

@@ -7,9 +7,9 @@ the lease given back, argument checks, and that the comparison catches a one-byt
 import pytest
 import torch
 
-from flashtier.engine.restore_buffer import RestoreBuffer
-from flashtier.engine.restored_run import RestoredRun
-from flashtier.engine.resume import load_run
+from flashtier.engine.tiers.restore_buffer import RestoreBuffer
+from flashtier.engine.tiers.restored_run import RestoredRun
+from flashtier.engine.tiers.resume import load_run
 from flashtier.kvstore.block_hash import hash_blocks
 
 from .restore_bytes_oracle import load_run_from_bytes

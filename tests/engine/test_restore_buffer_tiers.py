@@ -14,12 +14,12 @@ import threading
 import pytest
 import torch
 
-from flashtier.engine.snapshot_codec import encode_snapshot
-from flashtier.engine.tiers import LookupQuery, SnapshotOutcome, TierLookup, TierManager
+from flashtier.engine.tiers.snapshot_codec import encode_snapshot
+from flashtier.engine.tiers.manager import LookupQuery, SnapshotOutcome, TierLookup, TierManager
 from flashtier.kvstore.block_hash import hash_blocks
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.snapshot import SnapshotKey
-from flashtier.kvstore.ssd_record import HEADER_BYTES
+from flashtier.kvstore.snapshot.key import SnapshotKey
+from flashtier.kvstore.ssd.record import HEADER_BYTES
 
 from ..kvstore.ssd_store_support import flip
 from .restore_bytes_oracle import bytes_prefix

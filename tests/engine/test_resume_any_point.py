@@ -24,11 +24,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashtier.engine import resume
+from flashtier.engine.tiers import resume
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt, rel_err

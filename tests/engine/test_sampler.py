@@ -11,12 +11,12 @@ temperature) exceeds the bound by orders of magnitude at N = 20,000.
 import pytest
 import torch
 
-from flashtier.engine import sampler as sampler_module
-from flashtier.engine.sampler import Sampler
-from flashtier.engine.sampler_filters import apply_min_p
-from flashtier.engine.sampler_penalties import apply_penalties
-from flashtier.engine.sampler_row import SamplerRow, generator_for
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample import sampler as sampler_module
+from flashtier.engine.sample.sampler import Sampler
+from flashtier.engine.sample.filters import apply_min_p
+from flashtier.engine.sample.penalties import apply_penalties
+from flashtier.engine.sample.row import SamplerRow, generator_for
+from flashtier.engine.sample.params import SamplingParams
 
 N = 20_000
 # chi-square 99.9% quantiles by degrees of freedom
@@ -348,7 +348,7 @@ def test_sampler_argument_errors():
 
 
 def test_sampler_module_keeps_its_public_names():
-    """Callers import the whole sampling API from ``flashtier.engine.sampler``; the split keeps that."""
+    """Callers import the whole sampling API from ``flashtier.engine.sample.sampler``; the split keeps that."""
     for name in sampler_module.__all__:
         assert hasattr(sampler_module, name), name
     assert sampler_module.SamplerRow is SamplerRow and sampler_module.apply_min_p is apply_min_p

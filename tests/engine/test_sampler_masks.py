@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashtier.engine.sampler import Sampler
-from flashtier.engine.sampler_filters import apply_min_p, apply_top_k_top_p
-from flashtier.engine.sampler_row import SamplerRow, generator_for
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.sampler import Sampler
+from flashtier.engine.sample.filters import apply_min_p, apply_top_k_top_p
+from flashtier.engine.sample.row import SamplerRow, generator_for
+from flashtier.engine.sample.params import SamplingParams
 
 
 def _reference_keep(logits: list[float], top_k: int, top_p: float, min_p: float, slack: float) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashtier.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from flashtier.engine.sample.params import MAX_LOGPROBS, SamplingParams
 
 
 def test_defaults_match_vllm():

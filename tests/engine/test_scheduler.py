@@ -7,7 +7,7 @@ Pool invariants and "every referenced block is in a live table" are checked afte
 
 import pytest
 
-from flashtier.engine.request_state import InvalidTransition, RequestStatus, transition
+from flashtier.engine.core.request_state import InvalidTransition, RequestStatus, transition
 
 from .scheduler_harness import NEXT_TOKEN, Harness, prompt_of, warm_tier_harness, work
 

@@ -3,10 +3,10 @@ and snapshots; exact block ids, loaded bytes, positions and states. Block size 4
 
 import torch
 
-from flashtier.engine.request_state import RequestStatus
-from flashtier.engine.resume import ResumeKind
-from flashtier.engine.snapshot_codec import encode_snapshot
-from flashtier.engine.tiers import SnapshotOutcome, TierLookup
+from flashtier.engine.core.request_state import RequestStatus
+from flashtier.engine.tiers.resume import ResumeKind
+from flashtier.engine.tiers.snapshot_codec import encode_snapshot
+from flashtier.engine.tiers.manager import SnapshotOutcome, TierLookup
 
 from .scheduler_harness import Harness, prompt_of, settle, warm_tier_harness, work
 

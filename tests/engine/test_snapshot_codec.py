@@ -7,10 +7,10 @@ import struct
 import pytest
 import torch
 
-from flashtier.engine.kv_manager import SequenceSpec
+from flashtier.engine.kv.manager import SequenceSpec
 from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.config import preset
-from flashtier.engine.snapshot_codec import VERSION, decode_snapshot, encode_snapshot, is_stale, payload_size
+from flashtier.engine.tiers.snapshot_codec import VERSION, decode_snapshot, encode_snapshot, is_stale, payload_size
 from flashtier.kvstore.layout import BlockLayout
 
 from .scheduler_harness import Harness, prompt_of

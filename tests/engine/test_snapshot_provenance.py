@@ -6,12 +6,12 @@ import asyncio
 import struct
 from dataclasses import dataclass, field
 
-from flashtier.engine.snapshot_codec import MAGIC, VERSION
-from flashtier.engine.snapshot_search import SnapshotQuery, find_snapshot
-from flashtier.engine.tier_client import TierClient
+from flashtier.engine.tiers.snapshot_codec import MAGIC, VERSION
+from flashtier.engine.tiers.snapshot_search import SnapshotQuery, find_snapshot
+from flashtier.engine.tiers.client import TierClient
 from flashtier.kvstore.block_hash import hash_blocks, replayed_namespace
-from flashtier.kvstore.snapshot import SnapshotKey
-from flashtier.kvstore.snapshot_pool import EmbeddedSnapshotPool
+from flashtier.kvstore.snapshot.key import SnapshotKey
+from flashtier.kvstore.snapshot.pool import EmbeddedSnapshotPool
 
 from .scheduler_harness import NAMESPACE, Harness, prompt_of
 

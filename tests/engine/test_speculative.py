@@ -24,12 +24,12 @@ from collections import Counter
 import pytest
 import torch
 
-from flashtier.engine import spec_accept, spec_verify
+from flashtier.engine.spec import accept as spec_accept, verify as spec_verify
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.init import random_model
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.engine.scheduler_output import DecoderKind
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.core.scheduler_output import DecoderKind
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
@@ -181,7 +181,7 @@ def test_preemption_mid_speculation_keeps_greedy_outputs(model, plain):
 def test_exact_resume_of_a_speculated_turn(model):
     """Turn 1 speculates and snapshots at generation end (its KV state lags its tokens); turn 2 (turn 1 + new
     tokens) resumes exactly from that snapshot and, speculating again, equals a cold plain run."""
-    from flashtier.engine.tiers import TierManager
+    from flashtier.engine.tiers.manager import TierManager
 
     first = [("t1", random_prompt(21, seed=77), SamplingParams(**GREEDY))]
     want1 = run(make(model, spec=0), first)
@@ -290,7 +290,7 @@ def test_sampled_tokens_follow_plain_sampling(model, plain):
 
 
 def test_confidence_schedules_the_verify_length():
-    from flashtier.engine.spec_schedule import SpecPolicy
+    from flashtier.engine.spec.schedule import SpecPolicy
 
     conf = torch.tensor([2.0, 0.0, -3.0, 5.0])  # sigmoid 0.88, 0.5, 0.047, 0.99: all-accepted 0.88, 0.44, 0.02
     lengths = {tau: SpecPolicy(4, tau, 1 << 20, 16).verify_length(conf, 4) for tau in (0.0, 0.1, 0.5, 0.9)}
@@ -302,8 +302,8 @@ def test_speculative_settings_and_metrics(model):
     from prometheus_client import generate_latest
 
     from flashtier.server.cli import build_parser
-    from flashtier.server.metrics import ServerMetrics
-    from flashtier.server.settings import build_settings
+    from flashtier.server.serving.metrics import ServerMetrics
+    from flashtier.server.config.settings import build_settings
 
     assert build_settings(None, {}).engine_config().speculative_tokens == 0  # off by default
     argv = ["serve", "--speculative-config", json.dumps({"method": "dspark", "num_speculative_tokens": 2})]

@@ -24,8 +24,8 @@ from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import place_in_formats_
 from flashtier.engine.model.dspark import draft_block, new_rings, seed_rings
 from flashtier.engine.model.init import random_model_on_device
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.kernels.fp8_gemm import fp8_gemm
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.kernels.fp8_gemm.op import fp8_gemm
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt

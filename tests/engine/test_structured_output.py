@@ -12,13 +12,13 @@ import jsonschema
 import pytest
 import torch
 
-from flashtier.engine.grammar_compiler import ConstraintError, GrammarCompiler
-from flashtier.engine.output_constraint import ConstraintKind, ConstraintSpec, GrammarState, OutputConstraint
-from flashtier.engine.sampler import Sampler, SamplerRow
-from flashtier.engine.sampler_grammar import allowed_tokens, apply_token_bitmask
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.server.grammar_service import grammar_vocab
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.engine.grammar.compiler import ConstraintError, GrammarCompiler
+from flashtier.engine.grammar.constraint import ConstraintKind, ConstraintSpec, GrammarState, OutputConstraint
+from flashtier.engine.sample.sampler import Sampler, SamplerRow
+from flashtier.engine.sample.grammar import allowed_tokens, apply_token_bitmask
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.server.grammar.service import grammar_vocab
+from flashtier.server.text.tokenizer import Tokenizer
 
 from .test_engine import make_engine, run
 

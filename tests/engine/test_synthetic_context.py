@@ -16,9 +16,9 @@ import torch
 from synthetic_context import SyntheticContext, check_context
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.kernels.quant_fp4 import pack_fp4_record, quantize_fp4
-from flashtier.kernels.quant_mxfp4 import pack_mxfp4_record, quantize_mxfp4
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.kernels.quant.fp4 import pack_fp4_record, quantize_fp4
+from flashtier.kernels.quant.mxfp4 import pack_mxfp4_record, quantize_mxfp4
 from flashtier.kvstore.block_hash import hash_blocks
 from flashtier.kvstore.config import KVStoreConfig
 

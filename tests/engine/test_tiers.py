@@ -12,8 +12,8 @@ import torch
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.model.reference import Plan, reference_forward
-from flashtier.engine.sampling_params import SamplingParams
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.config import KVStoreConfig
 
 from ..kvstore.redis_server import RedisServer

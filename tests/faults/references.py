@@ -55,8 +55,8 @@ class Oracle:
 
     def _load(self):
         from flashtier.engine.model.loader import load_model
-        from flashtier.server.engram_map import engram_token_map
-        from flashtier.server.tokenizer import Tokenizer
+        from flashtier.server.text.engram_map import engram_token_map
+        from flashtier.server.text.tokenizer import Tokenizer
 
         model = load_model(self.cache_dir / "models" / "demo-tiny-seed0", dtype=torch.float64, with_dspark=False,
                            progress=False).double()

@@ -85,7 +85,7 @@ def test_redis_sigstop_and_sigkill_under_load_every_request_completes(tmp_path, 
         m = srv.metric_map("flashtier_snapshot_")
         keep = ("redis_op_errors", "redis_op_timeouts", "redis_skipped", "redis_breaker_opens", "lookup_")
         observed.update({k.removeprefix("flashtier_"): v for k, v in m.items() if any(x in k for x in keep) and v})
-        pool_lines = [ln for ln in srv.log_text().splitlines() if "flashtier.kvstore.redis_snapshot_pool" in ln]
+        pool_lines = [ln for ln in srv.log_text().splitlines() if "flashtier.kvstore.snapshot.redis_pool" in ln]
         down = [ln for ln in pool_lines if "went down" in ln or "unreachable" in ln]
         back = [ln for ln in pool_lines if ln.endswith("is back")]
         observed["log: WARNING 'redis snapshot pool ... went down' lines"] = len(down)

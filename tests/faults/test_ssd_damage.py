@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from flashtier.kvstore.ssd_record import HEADER_BYTES, decode_header
+from flashtier.kvstore.ssd.record import HEADER_BYTES, decode_header
 
 from ..kvstore.redis_server import RedisServer
 from .conftest import BS, Conversation, FaultServer, Tally, Turn, dump_trace, record, verify, wrong_turns

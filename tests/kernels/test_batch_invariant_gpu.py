@@ -13,12 +13,12 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.fp8_gemm import Fp8GemmConfig, act_quant, fp8_gemm
-from flashtier.kernels.fp8_weight import quantize_fp8_weight
-from flashtier.kernels.invariant_linear import LinearConfig, linear
-from flashtier.kernels.mhc_streams import hc_collapse, hc_expand
-from flashtier.kernels.rms_norm import rms_norm
-from flashtier.kernels.row_reduce import mean_square, row_sum
+from flashtier.kernels.fp8_gemm.op import Fp8GemmConfig, act_quant, fp8_gemm
+from flashtier.kernels.quant.fp8_weight import quantize_fp8_weight
+from flashtier.kernels.invariant_linear.op import LinearConfig, linear
+from flashtier.kernels.mhc.streams import hc_collapse, hc_expand
+from flashtier.kernels.rms_norm.op import rms_norm
+from flashtier.kernels.row_reduce.op import mean_square, row_sum
 
 pytestmark = [
     pytest.mark.gpu,

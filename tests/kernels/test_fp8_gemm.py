@@ -1,4 +1,4 @@
-"""FP8 block-scaled GEMM (kernels/fp8_gemm.py): the Triton kernel against the plain-torch reference.
+"""FP8 block-scaled GEMM (kernels/fp8_gemm/op.py): the Triton kernel against the plain-torch reference.
 
 Error metric: |y - ref| <= tol * bound elementwise, bound = the reference GEMM of |a| and |w| (the sum of
 |products|, what summation error scales with). Tolerances:
@@ -17,9 +17,9 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.fp8_gemm import Fp8GemmConfig, act_quant, fp8_gemm
-from flashtier.kernels.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
-from flashtier.kernels.quant_fp8 import quantize_fp8
+from flashtier.kernels.fp8_gemm.op import Fp8GemmConfig, act_quant, fp8_gemm
+from flashtier.kernels.quant.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
+from flashtier.kernels.quant.fp8 import quantize_fp8
 
 CPU_TOL = {torch.float32: 2**-20, torch.bfloat16: 2**-8 + 2**-20}
 GPU_TOL = {"fp8": 2**-10, torch.bfloat16: 2**-14, torch.float32: 2**-13, "bf16_out": 2**-8 + 2**-10}

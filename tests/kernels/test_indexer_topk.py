@@ -17,11 +17,11 @@ import os
 import pytest
 import torch
 
-from flashtier.engine.block_table import BlockTable
+from flashtier.engine.kv.block_table import BlockTable
 from flashtier.engine.model.indexer import candidate_pool, index_scores, select_topk
-from flashtier.engine.paged_entries import PagedEntries
-from flashtier.kernels.indexer_topk import IndexerTopKConfig, indexer_topk, indexer_topk_with_candidates
-from flashtier.kernels.quant_mxfp4 import mxfp4_qdq, pack_mxfp4_record, quantize_mxfp4
+from flashtier.engine.kv.paged_entries import PagedEntries
+from flashtier.kernels.indexer_topk.op import IndexerTopKConfig, indexer_topk, indexer_topk_with_candidates
+from flashtier.kernels.quant.mxfp4 import mxfp4_qdq, pack_mxfp4_record, quantize_mxfp4
 from flashtier.kvstore.kv_pool import GlobalKVPool
 from flashtier.kvstore.layout import BlockLayout, KVGeometry
 

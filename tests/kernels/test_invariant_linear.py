@@ -1,4 +1,4 @@
-"""Batch-invariant linear (kernels/invariant_linear.py): Triton against the plain-torch reference on the CPU
+"""Batch-invariant linear (kernels/invariant_linear/op.py): Triton against the plain-torch reference on the CPU
 interpreter, the two launch forms against each other, and the argument checks. The bit-for-bit invariance on the
 GPU is tests/kernels/test_batch_invariant_gpu.py.
 
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.invariant_linear import LinearConfig, linear, linear_reference
+from flashtier.kernels.invariant_linear.op import LinearConfig, linear, linear_reference
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
 TOL = {torch.float32: 2**-20, torch.bfloat16: 2**-8 + 2**-20}

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.mhc_coeffs import mhc_coeffs
-from flashtier.kernels.mhc_coeffs_ref import mhc_coeffs_reference
+from flashtier.kernels.mhc.coeffs import mhc_coeffs
+from flashtier.kernels.mhc.coeffs_reference import mhc_coeffs_reference
 
 HC, ITERS, EPS = 4, 20, 1e-6
 TOL = 2e-6

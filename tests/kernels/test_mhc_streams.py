@@ -1,4 +1,4 @@
-"""mHC stream collapse / update (kernels/mhc_streams.py): Triton (CPU interpreter) against the plain-torch
+"""mHC stream collapse / update (kernels/mhc/streams.py): Triton (CPU interpreter) against the plain-torch
 expressions the model ran before. Tolerance 2^-21 of the sum of |terms| (fp32 order only). GPU bit-invariance
 over the token count: tests/kernels/test_batch_invariant_gpu.py.
 """
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.mhc_streams import hc_collapse, hc_expand
+from flashtier.kernels.mhc.streams import hc_collapse, hc_expand
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
 # name: (T, hc, D); D ragged against the 1024-wide block

@@ -9,7 +9,7 @@ once, in its expert's run, runs ascending by expert and by flat id, and unused e
 import pytest
 import torch
 
-from flashtier.kernels.moe_align import max_blocks, moe_align
+from flashtier.kernels.moe.align import max_blocks, moe_align
 
 TOKENS = [1, 3, 17, 64, 300]
 EXPERTS = [(16, 6), (8, 2)]

@@ -23,15 +23,15 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels._moe_combine_triton import moe_combine_triton
-from flashtier.kernels._moe_grouped_gemm_triton import DEFAULT_CONFIG, MoEGemmConfig, launch_moe_gemm
-from flashtier.kernels.fp8_weight import as_raw_bytes, quantize_fp8_weight
-from flashtier.kernels.moe_align import moe_align
-from flashtier.kernels.moe_grouped_gemm import moe_grouped_ffn
-from flashtier.kernels.moe_grouped_gemm_ref import combine_reference, dense_fp8_expert, dense_mxfp4_expert
-from flashtier.kernels.moe_route import moe_route
-from flashtier.kernels.moe_weights import FP8Expert, MXFP4Experts
-from flashtier.kernels.quant_mxfp4 import quantize_mxfp4
+from flashtier.kernels.moe.combine_kernel import moe_combine_triton
+from flashtier.kernels.moe.grouped_gemm_kernel import DEFAULT_CONFIG, MoEGemmConfig, launch_moe_gemm
+from flashtier.kernels.quant.fp8_weight import as_raw_bytes, quantize_fp8_weight
+from flashtier.kernels.moe.align import moe_align
+from flashtier.kernels.moe.grouped_gemm import moe_grouped_ffn
+from flashtier.kernels.moe.grouped_gemm_reference import combine_reference, dense_fp8_expert, dense_mxfp4_expert
+from flashtier.kernels.moe.route import moe_route
+from flashtier.kernels.moe.weights import FP8Expert, MXFP4Experts
+from flashtier.kernels.quant.mxfp4 import quantize_mxfp4
 
 BIG_TILES = MoEGemmConfig(block_m=64)
 GRID = [  # (N, experts, top-k, D, I, config)

@@ -23,8 +23,8 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.moe_route import moe_route
-from flashtier.kernels.moe_route_ref import moe_route_reference
+from flashtier.kernels.moe.route import moe_route
+from flashtier.kernels.moe.route_reference import moe_route_reference
 
 TOKENS = [1, 3, 17, 64, 300]
 EXPERTS = [(16, 6), (8, 2)]

@@ -25,13 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtier.kernels import _moe_grouped_gemm_triton as gemm_mod
-from flashtier.kernels._e2m1 import _e2m1_to_f32
-from flashtier.kernels._fp8_bits import _e4m3_to_f32
-from flashtier.kernels._moe_grouped_gemm_triton import MoEGemmConfig, _e2m1_as_e4m3, launch_moe_gemm
-from flashtier.kernels.moe_align import moe_align
-from flashtier.kernels.moe_grouped_gemm import moe_grouped_ffn
-from flashtier.kernels.moe_grouped_gemm_ref import dense_fp8_expert, dense_mxfp4_expert
+from flashtier.kernels.moe import grouped_gemm_kernel as gemm_mod
+from flashtier.kernels.quant.e2m1 import _e2m1_to_f32
+from flashtier.kernels.quant.fp8_bits import _e4m3_to_f32
+from flashtier.kernels.moe.grouped_gemm_kernel import MoEGemmConfig, _e2m1_as_e4m3, launch_moe_gemm
+from flashtier.kernels.moe.align import moe_align
+from flashtier.kernels.moe.grouped_gemm import moe_grouped_ffn
+from flashtier.kernels.moe.grouped_gemm_reference import dense_fp8_expert, dense_mxfp4_expert
 from .test_moe_grouped_gemm import assert_close_rows, make_case, make_experts, row_errors
 
 LIMIT = 10.0

@@ -3,7 +3,7 @@
 FP4 / MXFP4 sign of zero. The official quantiser (``fp4_quant_kernel`` in ``inference/kernel.py``; V4-Flash
 copy lines 169-177) stores ``T.Cast(FP4, clamp(x / s, -6, 6))``, which TileLang lowers to CUDA's
 ``__nv_cvt_float_to_fp4``: zero and underflow give magnitude 0 and the input's sign bit is ORed in, so -0.0
-and every negative value that rounds to zero are code 0x8 (``kernels/_e2m1.py`` has the full citation).
+and every negative value that rounds to zero are code 0x8 (``kernels/quant/e2m1.py`` has the full citation).
 
 Top-k ties. The official indexer (V4.1 ``inference/model.py``, ``Indexer.forward``) selects with
 ``index_score.topk(topk, dim=-1, sorted=False).indices.sort(dim=-1).values`` and layer 20 its blocks with
@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from flashtier.engine.model.indexer import candidate_pool, select_topk
-from flashtier.kernels._e2m1 import e2m1_codes
-from flashtier.kernels.indexer_topk_ref import candidate_blocks_reference, select_topk_reference
-from flashtier.kernels.quant_fp4 import dequantize_fp4, quantize_fp4
-from flashtier.kernels.quant_mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from flashtier.kernels.quant.e2m1 import e2m1_codes
+from flashtier.kernels.indexer_topk.reference import candidate_blocks_reference, select_topk_reference
+from flashtier.kernels.quant.fp4 import dequantize_fp4, quantize_fp4
+from flashtier.kernels.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

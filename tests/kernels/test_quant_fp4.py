@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashtier.kernels.quant_fp4 import (
+from flashtier.kernels.quant.fp4 import (
     FP4_RECORD_BYTES,
     dequantize_fp4,
     fp4_qdq,
@@ -205,8 +205,8 @@ def test_validation_errors(call, match):
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_empty_rows_round_trip(impl):
     """Zero rows is a legal batch (a chunk that completes no compressed entry)."""
-    from flashtier.kernels.quant_fp8 import fp8_qdq
-    from flashtier.kernels.quant_mxfp4 import mxfp4_qdq
+    from flashtier.kernels.quant.fp8 import fp8_qdq
+    from flashtier.kernels.quant.mxfp4 import mxfp4_qdq
 
     for op in (fp4_qdq, mxfp4_qdq, fp8_qdq):
         assert op(torch.zeros(0, 64), impl=impl).shape == (0, 64)

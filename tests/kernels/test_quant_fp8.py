@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashtier.kernels.quant_fp8 import (
+from flashtier.kernels.quant.fp8 import (
     FP8_RECORD_BYTES,
     dequantize_fp8,
     fp8_qdq,

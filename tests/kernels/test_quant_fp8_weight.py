@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from flashtier.kernels.fp8_weight import (
+from flashtier.kernels.quant.fp8_weight import (
     as_e4m3fn,
     as_e8m0,
     as_raw_bytes,
     dequantize_fp8_weight,
     quantize_fp8_weight,
 )
-from flashtier.kernels.quant_fp8 import quantize_fp8
+from flashtier.kernels.quant.fp8 import quantize_fp8
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
-from flashtier.kernels.quant_fp4 import dequantize_fp4, fp4_qdq, quantize_fp4
-from flashtier.kernels.quant_fp8 import dequantize_fp8, fp8_qdq, quantize_fp8
-from flashtier.kernels.quant_mxfp4 import dequantize_mxfp4, mxfp4_qdq, quantize_mxfp4
+from flashtier.kernels.quant.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
+from flashtier.kernels.quant.fp4 import dequantize_fp4, fp4_qdq, quantize_fp4
+from flashtier.kernels.quant.fp8 import dequantize_fp8, fp8_qdq, quantize_fp8
+from flashtier.kernels.quant.mxfp4 import dequantize_mxfp4, mxfp4_qdq, quantize_mxfp4
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashtier.kernels.quant_mxfp4 import (
+from flashtier.kernels.quant.mxfp4 import (
     MXFP4_RECORD_BYTES,
     dequantize_mxfp4,
     mxfp4_qdq,

@@ -1,4 +1,4 @@
-"""RMSNorm (kernels/rms_norm.py): Triton (CPU interpreter) against the torch expression; GPU bit-invariance over
+"""RMSNorm (kernels/rms_norm/op.py): Triton (CPU interpreter) against the torch expression; GPU bit-invariance over
 the row count is tests/kernels/test_batch_invariant_gpu.py. Tolerance 2^-20 relative to max |y| (fp32 order of
 the sum of squares, the rsqrt and two products).
 """
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.rms_norm import rms_norm, rms_norm_reference
+from flashtier.kernels.rms_norm.op import rms_norm, rms_norm_reference
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
 SHAPES = {"one-row": (1, 64), "ragged-d": (7, 1500), "3-d": (2, 3, 96), "wide": (2, 5120)}

@@ -1,4 +1,4 @@
-"""Rotary embedding (kernels/rope.py): Triton (CPU interpreter) against the torch reference, the inverse undoing
+"""Rotary embedding (kernels/rope/op.py): Triton (CPU interpreter) against the torch reference, the inverse undoing
 the rotation, and the argument checks. Tolerance 4e-6 absolute on O(1) values at positions < 70,000 (the angles
 are equal fp32 products; cos / sin may differ by an ulp or two, |x| <= ~5).
 """
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.rope import rope_reference, rope_rotate
+from flashtier.kernels.rope.op import rope_reference, rope_rotate
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
 # name: (x shape, rope_dim); heads in the middle, no-rope part absent, ragged D

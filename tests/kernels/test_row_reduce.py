@@ -1,4 +1,4 @@
-"""Row reductions (kernels/row_reduce.py): Triton (CPU interpreter) against torch's ``sum`` / ``pow(2).mean``.
+"""Row reductions (kernels/row_reduce/op.py): Triton (CPU interpreter) against torch's ``sum`` / ``pow(2).mean``.
 
 Tolerance: 2^-20 of sum |x| (of sum x^2 / D): fp32 summation order only. GPU bit-invariance over the row count:
 tests/kernels/test_batch_invariant_gpu.py.
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from flashtier.kernels.row_reduce import mean_square, row_sum
+from flashtier.kernels.row_reduce.op import mean_square, row_sum
 
 interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
 # name: shape [..., D]; D ragged against the 1024-wide chunk, one D of many chunks

@@ -23,13 +23,13 @@ import os
 import pytest
 import torch
 
-from flashtier.engine.block_table import BlockTable
+from flashtier.engine.kv.block_table import BlockTable
 from flashtier.engine.model.attention import sparse_attention
-from flashtier.engine.paged_entries import PagedEntries
-from flashtier.engine.window_rings import WindowRings
-from flashtier.kernels.quant_fp4 import pack_fp4_record, quantize_fp4
-from flashtier.kernels.quant_fp8 import fp8_qdq, pack_fp8_record, quantize_fp8
-from flashtier.kernels.sparse_mqa import SparseMQAConfig, sparse_mqa_decode
+from flashtier.engine.kv.paged_entries import PagedEntries
+from flashtier.engine.kv.window_rings import WindowRings
+from flashtier.kernels.quant.fp4 import pack_fp4_record, quantize_fp4
+from flashtier.kernels.quant.fp8 import fp8_qdq, pack_fp8_record, quantize_fp8
+from flashtier.kernels.sparse_mqa.op import SparseMQAConfig, sparse_mqa_decode
 from flashtier.kvstore.kv_pool import GlobalKVPool
 from flashtier.kvstore.layout import BlockLayout, KVGeometry
 

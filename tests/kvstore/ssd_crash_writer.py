@@ -27,8 +27,8 @@ import xxhash
 
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.ssd_store import PutResult, SSDStore
-from flashtier.kvstore.ssd_writer import SSDWriter
+from flashtier.kvstore.ssd.store import PutResult, SSDStore
+from flashtier.kvstore.ssd.writer import SSDWriter
 
 SEGMENT_BYTES = 4096
 BUDGET_BYTES = 48 * 1024  # 12 segments: eviction starts within a few trials of each directory

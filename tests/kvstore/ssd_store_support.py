@@ -8,8 +8,8 @@ import xxhash
 
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.ssd_record import HEADER_BYTES
-from flashtier.kvstore.ssd_store import SSDStore
+from flashtier.kvstore.ssd.record import HEADER_BYTES
+from flashtier.kvstore.ssd.store import SSDStore
 
 
 HOUR = 3600.0

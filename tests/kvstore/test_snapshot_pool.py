@@ -11,7 +11,7 @@ import pytest
 
 from flashtier.kvstore.block_hash import hash_block, hash_blocks, namespace_hash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.snapshot import (
+from flashtier.kvstore.snapshot.key import (
     HEADER_BYTES,
     Snapshot,
     SnapshotCorrupt,
@@ -19,7 +19,7 @@ from flashtier.kvstore.snapshot import (
     directory_key,
     tail_hash_of,
 )
-from flashtier.kvstore.snapshot_pool import EmbeddedSnapshotPool, SnapshotStats
+from flashtier.kvstore.snapshot.pool import EmbeddedSnapshotPool, SnapshotStats
 
 NS = namespace_hash("snap-test", None)
 BLOCKS = hash_blocks(NS, list(range(4 * 8)), 8)

@@ -12,10 +12,10 @@ import redis.utils
 
 from flashtier.kvstore.block_hash import hash_blocks, namespace_hash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.redis_snapshot_pool import RedisSnapshotPool, snapshot_pool_from_config
+from flashtier.kvstore.snapshot.redis_pool import RedisSnapshotPool, snapshot_pool_from_config
 from flashtier.kvstore.redis_url import parse_redis_url
-from flashtier.kvstore.snapshot import HEADER_BYTES, Snapshot, SnapshotKey
-from flashtier.kvstore.snapshot_pool import EmbeddedSnapshotPool
+from flashtier.kvstore.snapshot.key import HEADER_BYTES, Snapshot, SnapshotKey
+from flashtier.kvstore.snapshot.pool import EmbeddedSnapshotPool
 
 from .redis_server import RedisServer, free_port
 

@@ -12,9 +12,9 @@ import pytest
 
 from flashtier.kvstore.block_hash import BlockHash, hash_blocks, namespace_hash
 from flashtier.kvstore.circuit_breaker import CircuitBreaker, Permit
-from flashtier.kvstore.redis_snapshot_pool import REDIS_OPS, RedisSnapshotPool
-from flashtier.kvstore.snapshot import SnapshotKey
-from flashtier.kvstore.snapshot_pool import EmbeddedSnapshotPool
+from flashtier.kvstore.snapshot.redis_pool import REDIS_OPS, RedisSnapshotPool
+from flashtier.kvstore.snapshot.key import SnapshotKey
+from flashtier.kvstore.snapshot.pool import EmbeddedSnapshotPool
 
 from .redis_server import RedisServer, free_port
 
@@ -23,7 +23,7 @@ BLOCKS = hash_blocks(NS, list(range(6 * 8)), 8)
 TIMEOUT_S = 0.2
 BASE_S = 0.4  # the breaker's first back-off here
 FAST_S = TIMEOUT_S / 2  # a skipped call (no I/O, no await) answers well within this
-POOL_LOG = "flashtier.kvstore.redis_snapshot_pool"
+POOL_LOG = "flashtier.kvstore.snapshot.redis_pool"
 
 
 def key(tail_len=3, block=0, salt=0):

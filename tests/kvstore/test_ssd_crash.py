@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from flashtier.kvstore.block_hash import BlockHash
-from flashtier.kvstore.ssd_store import SSDStore
+from flashtier.kvstore.ssd.store import SSDStore
 
 HELPER = Path(__file__).with_name("ssd_crash_writer.py")
 _spec = importlib.util.spec_from_file_location("ssd_crash_writer", HELPER)

@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from flashtier.kvstore.ssd_health import ADMISSION_QUIET_S
-from flashtier.kvstore.ssd_store import PutResult, SSDStore
+from flashtier.kvstore.ssd.health import ADMISSION_QUIET_S
+from flashtier.kvstore.ssd.store import PutResult, SSDStore
 
 from .ssd_store_support import (  # noqa: F401 - clock and open_store are fixtures
     LIFETIME,

@@ -1,6 +1,6 @@
 """plan_room: exact plans on small hand-made segment tables, and that the store runs the plan it gets.
 
-Every expected plan below was worked out by hand from the rules in ssd_room_plan.py (three phases, a
+Every expected plan below was worked out by hand from the rules in ssd/room_plan.py (three phases, a
 segment counted once at its first step, later steps kept for retries); ``bytes_after`` is the predicted
 disk use after each step. Budgets are in bytes, records 100 B, ``pressure_ratio`` 0.9 unless noted.
 """
@@ -8,12 +8,12 @@ disk use after each step. Budgets are in bytes, records 100 B, ``pressure_ratio`
 import pytest
 import xxhash
 
-from flashtier.kvstore import ssd_compaction
+from flashtier.kvstore.ssd import compaction as ssd_compaction
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.ssd_record import HEADER_BYTES
-from flashtier.kvstore.ssd_room_plan import RoomAction, RoomPlan, RoomStep, SegmentUsage, plan_room
-from flashtier.kvstore.ssd_store import PutResult, SSDStore
+from flashtier.kvstore.ssd.record import HEADER_BYTES
+from flashtier.kvstore.ssd.room_plan import RoomAction, RoomPlan, RoomStep, SegmentUsage, plan_room
+from flashtier.kvstore.ssd.store import PutResult, SSDStore
 
 DEAD, EXPIRED, COMPACT = RoomAction.DELETE_DEAD, RoomAction.DELETE_EXPIRED, RoomAction.COMPACT
 

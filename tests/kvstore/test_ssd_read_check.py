@@ -8,8 +8,8 @@ import pytest
 import xxhash
 
 from flashtier.kvstore.block_hash import BlockHash
-from flashtier.kvstore.ssd_read_check import record_intact
-from flashtier.kvstore.ssd_record import HEADER_BYTES, RecordCorrupt, decode_record, encode_record
+from flashtier.kvstore.ssd.read_check import record_intact
+from flashtier.kvstore.ssd.record import HEADER_BYTES, RecordCorrupt, decode_record, encode_record
 
 P = 56
 
@@ -80,7 +80,7 @@ def test_the_checksums_keep_the_gil(monkeypatch):
     """Both crc32c calls pass gil_release_mode=0, also for a block-sized payload (the library releases the GIL
     from 32 KiB by default): a release per record lets a busy engine thread take the GIL, and the reader then
     waits up to a switch interval (5 ms) per record to get it back."""
-    import flashtier.kvstore.ssd_read_check as check
+    import flashtier.kvstore.ssd.read_check as check
 
     modes = []
 

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from flashtier.kvstore import ssd_read_io
-from flashtier.kvstore.ssd_read_buffers import ReadBuffers
-from flashtier.kvstore.ssd_read_io import prefetch, preadv_full
+from flashtier.kvstore.ssd import read_io as ssd_read_io
+from flashtier.kvstore.ssd.read_buffers import ReadBuffers
+from flashtier.kvstore.ssd.read_io import prefetch, preadv_full
 
 DATA = bytes(range(256)) * 40  # 10,240 B
 

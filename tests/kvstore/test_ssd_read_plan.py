@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashtier.kvstore.block_hash import BlockHash
-from flashtier.kvstore.ssd_index import IndexEntry
-from flashtier.kvstore.ssd_read_plan import ReadPlan, ReadRun, plan_reads
-from flashtier.kvstore.ssd_record import HEADER_BYTES
+from flashtier.kvstore.ssd.index import IndexEntry
+from flashtier.kvstore.ssd.read_plan import ReadPlan, ReadRun, plan_reads
+from flashtier.kvstore.ssd.record import HEADER_BYTES
 
 P = 56
 REC = HEADER_BYTES + P

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flashtier.kvstore.block_hash import BlockHash
-from flashtier.kvstore.ssd_reader import SSDReader
-from flashtier.kvstore.ssd_record import HEADER_BYTES, RecordCorrupt, decode_record
+from flashtier.kvstore.ssd.reader import SSDReader
+from flashtier.kvstore.ssd.record import HEADER_BYTES, RecordCorrupt, decode_record
 
 from .ssd_store_support import clock, flip, key, open_store, payload  # noqa: F401 - clock and open_store are fixtures
 
@@ -224,7 +224,7 @@ def test_a_read_error_on_one_run_spares_the_others(open_store, clock, monkeypatc
 @pytest.mark.parametrize("window,announced", [(0, []), (1, [1, 2, 3, 4, 5]), (2 * REC, [1, 2, 3, 4, 5])])
 def test_runs_ahead_are_announced_once_in_order_within_the_window(open_store, clock, monkeypatch, pipeline,
                                                                   window, announced):  # fmt: skip
-    from flashtier.kvstore import ssd_reader
+    from flashtier.kvstore.ssd import reader as ssd_reader
 
     s = with_reader(open_store(budget=1000 * SEG, segment=SEG), clock, gap=0, run_bytes=REC, pipeline=pipeline,
                     prefetch_bytes=window)  # fmt: skip

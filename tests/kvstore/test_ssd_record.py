@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashtier.kvstore.block_hash import BlockHash
-from flashtier.kvstore.ssd_record import (
+from flashtier.kvstore.ssd.record import (
     HEADER_BYTES,
     MAGIC,
     RECORD_VERSION,

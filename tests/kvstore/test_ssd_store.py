@@ -14,9 +14,9 @@ import pytest
 
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.ssd_record import HEADER_BYTES
-from flashtier.kvstore.ssd_store import PutResult, SSDStore
-from flashtier.kvstore.ssd_writer import SSDWriter
+from flashtier.kvstore.ssd.record import HEADER_BYTES
+from flashtier.kvstore.ssd.store import PutResult, SSDStore
+from flashtier.kvstore.ssd.writer import SSDWriter
 
 from .ssd_store_support import (  # noqa: F401 - clock and open_store are fixtures
     HOUR, LIFETIME, P, REC, T0, FakeClock, clock, config, flip, key, open_store, payload, put_all, seg_files,

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.ssd_store import PutResult, SSDStore
-from flashtier.kvstore.ssd_writer import SSDWriter
+from flashtier.kvstore.ssd.store import PutResult, SSDStore
+from flashtier.kvstore.ssd.writer import SSDWriter
 
 from .ssd_store_support import (  # noqa: F401 - clock and open_store are fixtures
     P, REC, clock, config, key, open_store, payload, put_all,

@@ -21,8 +21,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashtier.server.app import create_app
-from flashtier.server.settings import ServerSettings, build_settings
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.server.config.settings import ServerSettings, build_settings
+from flashtier.server.text.tokenizer import Tokenizer
 from .scripted_engine import ScriptedEngineClient
 
 DEFAULT_REPLY = "Hello from the scripted engine."

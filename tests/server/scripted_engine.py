@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashtier.engine.client import QueueFullError
-from flashtier.engine.outputs import (
+from flashtier.engine.core.outputs import (
     CacheUsage,
     ChoiceDelta,
     EngineStats,
@@ -41,7 +41,7 @@ from flashtier.engine.outputs import (
     RequestTimes,
     TokenLogprob,
 )
-from flashtier.engine.sampling_params import SamplingParams
+from flashtier.engine.sample.params import SamplingParams
 
 __all__ = ["GenerateCall", "ScriptedEngineClient", "Script"]
 

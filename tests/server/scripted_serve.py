@@ -13,8 +13,8 @@ import sys
 
 from flashtier.engine.client import EngineClient
 from flashtier.server.cli import main
-from flashtier.server.settings import ServerSettings
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.server.config.settings import ServerSettings
+from flashtier.server.text.tokenizer import Tokenizer
 from scripted_engine import ScriptedEngineClient  # run by path: its folder is sys.path[0]
 
 

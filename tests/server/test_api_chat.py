@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from flashtier.server.chat_encoding import REASONING_EFFORT_LINE
-from flashtier.server.dsml_markup import render_tool_calls
+from flashtier.server.text.chat_encoding import REASONING_EFFORT_LINE
+from flashtier.server.text.dsml_markup import render_tool_calls
 
 from .conftest import DEFAULT_REPLY
 
@@ -81,7 +81,7 @@ def test_non_streaming_reply(server):
 
 
 def test_prompt_is_the_v41_encoding(server):
-    from flashtier.server.chat_encoding import encode_to_ids
+    from flashtier.server.text.chat_encoding import encode_to_ids
 
     messages = [{"role": "system", "content": "Be brief."}, *USER]
     server.openai().chat.completions.create(model=server.settings.model_name, messages=messages)

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from flashtier.server.metrics import (
+from flashtier.server.serving.metrics import (
     E2E,
     GENERATION_TOKENS,
     PROMPT_TOKENS,

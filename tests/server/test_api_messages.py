@@ -11,8 +11,8 @@ import anthropic
 import httpx
 import pytest
 
-from flashtier.server.chat_encoding import REASONING_EFFORT_LINE, encode_to_ids
-from flashtier.server.dsml_markup import render_tool_calls
+from flashtier.server.text.chat_encoding import REASONING_EFFORT_LINE, encode_to_ids
+from flashtier.server.text.dsml_markup import render_tool_calls
 
 from .conftest import DEFAULT_REPLY, run_server
 

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from flashtier.server.chat_encoding import encode_to_ids
-from flashtier.server.metrics import GENERATION_TOKENS, PROMPT_TOKENS, REQUEST_SUCCESS, TTFT
+from flashtier.server.text.chat_encoding import encode_to_ids
+from flashtier.server.serving.metrics import GENERATION_TOKENS, PROMPT_TOKENS, REQUEST_SUCCESS, TTFT
 
 from .conftest import run_server
 

@@ -19,8 +19,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from flashtier.server.chat_encoding import REASONING_EFFORT_LINE, encode_to_ids
-from flashtier.server.dsml_markup import render_tool_calls
+from flashtier.server.text.chat_encoding import REASONING_EFFORT_LINE, encode_to_ids
+from flashtier.server.text.dsml_markup import render_tool_calls
 
 from .conftest import DEFAULT_REPLY, LiveServer, restore_defaults, run_server
 
@@ -292,7 +292,7 @@ def test_client_disconnect_aborts_the_engine_request(server):
 
 
 def test_unknown_tool_types_are_ignored(server, caplog):
-    caplog.set_level(logging.INFO, logger="flashtier.server.routes_responses")
+    caplog.set_level(logging.INFO, logger="flashtier.server.responses.route")
     hosted = [{"type": "web_search"}, {"type": "web_search_preview"}, {"type": "file_search", "vector_store_ids": []},
               {"type": "code_interpreter", "container": {"type": "auto"}}, {"type": "local_shell"},
               {"type": "mcp", "server_label": "x", "server_url": "http://x"},

@@ -13,7 +13,7 @@ import pytest
 from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from pydantic import BaseModel
 
-from flashtier.server.dsml_markup import render_tool_calls
+from flashtier.server.text.dsml_markup import render_tool_calls
 
 from .conftest import LiveServer, restore_defaults, run_server
 

@@ -16,8 +16,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from flashtier.server.app import create_app
-from flashtier.server.messages_errors import is_messages_path
-from flashtier.server.settings import build_settings
+from flashtier.server.http.anthropic_errors import is_messages_path
+from flashtier.server.config.settings import build_settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from flashtier.server.cli import build_parser
-from flashtier.server.settings import DEMO_NOTE, OPTIONS, build_settings
+from flashtier.server.config.settings import DEMO_NOTE, OPTIONS, build_settings
 from .scripted_engine import SCRIPTED_SERVE_ARGV
 
 
@@ -181,14 +181,14 @@ def test_serve_process_drains_on_sigterm(tmp_path):
     assert DEMO_NOTE in output
     warnings = [line for line in output.splitlines() if "--redis-url" in line and "WARNING" in line]
     assert len(warnings) == 1 and re.fullmatch(
-        rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}} WARNING flashtier.server.settings: --redis-url "
+        rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}} WARNING flashtier.server.config.settings: --redis-url "
         rf"redis://127.0.0.1:{dead}: no Redis there .*", warnings[0]), output
     # one format for every line, uvicorn's included; the demo note is information, not a warning
     log_lines = [line for line in output.splitlines() if line.strip()]
     assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ", line) for line in log_lines), output
     assert any(" INFO uvicorn.access: " in line and '"GET /health HTTP/1.1" 200' in line for line in log_lines)
     assert [line for line in log_lines if DEMO_NOTE in line] == [
-        line for line in log_lines if DEMO_NOTE in line and " INFO flashtier.server.startup_log: " in line]
+        line for line in log_lines if DEMO_NOTE in line and " INFO flashtier.server.config.startup_log: " in line]
     assert sum(DEMO_NOTE in line for line in log_lines) == 1
     assert [line for line in log_lines if " WARNING " in line] == warnings  # the demo itself warns of nothing
     assert any(f"API: http://127.0.0.1:{port}/v1 (no API key)" in line for line in log_lines)

@@ -221,8 +221,8 @@ def test_tenants_share_no_cache_in_any_tier(cache_dir, tmp_path, redis):
 def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(cache_dir, tmp_path, redis):
     from flashtier.engine.model.loader import load_model
     from flashtier.engine.model.reference import Plan, reference_forward
-    from flashtier.server.engram_map import engram_token_map
-    from flashtier.server.tokenizer import Tokenizer
+    from flashtier.server.text.engram_map import engram_token_map
+    from flashtier.server.text.tokenizer import Tokenizer
 
     srv = Server(cache_dir, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
     try:

@@ -23,7 +23,7 @@ from flashtier.engine.engine import Engine
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.init import random_model
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.server.state import tenant_salt
+from flashtier.server.serving.state import tenant_salt
 
 from .conftest import LiveServer, run_server
 

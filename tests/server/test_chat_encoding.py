@@ -7,16 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashtier.server.chat_encoding import (
+from flashtier.server.text.chat_encoding import (
     encode_messages,
     encode_to_ids,
     escape_control_text,
     reasoning_effort_value,
     render_tools_block,
 )
-from flashtier.server.dsml import parse_completion
-from flashtier.server.dsml_markup import render_tool_calls
-from flashtier.server.tokenizer import Tokenizer
+from flashtier.server.text.dsml import parse_completion
+from flashtier.server.text.dsml_markup import render_tool_calls
+from flashtier.server.text.tokenizer import Tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SYS, USER, ASSISTANT = "<｜begin▁sys｜>", "<｜User｜>", "<｜Assistant｜>"

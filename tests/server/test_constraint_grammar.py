@@ -1,4 +1,4 @@
-"""The grammars constraint_request.py builds, without a model: random logits under the grammar's mask
+"""The grammars grammar/constraints.py builds, without a model: random logits under the grammar's mask
 (so every allowed token is likely, far beyond what any model would write) over many seeds, and the
 result read back by the same parser the API uses. Also: the model's own call format is accepted by
 every tool grammar (forcing must not push the model off the markup it was trained on)."""
@@ -11,16 +11,16 @@ import jsonschema
 import pytest
 import torch
 
-from flashtier.engine.grammar_compiler import GrammarCompiler
-from flashtier.engine.grammar_mask import grammar_bitmask
-from flashtier.engine.output_constraint import GrammarState
-from flashtier.engine.sampler_grammar import allowed_tokens
-from flashtier.server.constraint_request import chat_constraint
-from flashtier.server.dsml import DsmlStreamParser
-from flashtier.server.dsml_events import CompletionBuilder
-from flashtier.server.dsml_markup import CALLS_SEPARATOR, render_tool_calls
-from flashtier.server.grammar_service import grammar_vocab
-from flashtier.server.protocol import ChatCompletionRequest
+from flashtier.engine.grammar.compiler import GrammarCompiler
+from flashtier.engine.grammar.mask import grammar_bitmask
+from flashtier.engine.grammar.constraint import GrammarState
+from flashtier.engine.sample.grammar import allowed_tokens
+from flashtier.server.grammar.constraints import chat_constraint
+from flashtier.server.text.dsml import DsmlStreamParser
+from flashtier.server.text.dsml_events import CompletionBuilder
+from flashtier.server.text.dsml_markup import CALLS_SEPARATOR, render_tool_calls
+from flashtier.server.grammar.service import grammar_vocab
+from flashtier.server.protocol.request_models import ChatCompletionRequest
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 8},

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashtier.server.dsml import DsmlStreamParser, parse_completion
-from flashtier.server.dsml_events import (
+from flashtier.server.text.dsml import DsmlStreamParser, parse_completion
+from flashtier.server.text.dsml_events import (
     ContentDelta,
     ReasoningDelta,
     ToolCall,
@@ -19,7 +19,7 @@ from flashtier.server.dsml_events import (
     collect_events,
     make_call_id,
 )
-from flashtier.server.dsml_markup import render_tool_calls
+from flashtier.server.text.dsml_markup import render_tool_calls
 
 EOS = "<｜end▁of▁sentence｜>"
 

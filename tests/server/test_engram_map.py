@@ -2,7 +2,7 @@
 
 ``published_keys`` below is a second implementation of the official rules (V4.1 ``inference/engram.py``,
 ``build_compressed_token_map``), written with Python's ``unicodedata`` and ``re`` instead of the
-``tokenizers`` normalisers that ``server/engram_map.py`` runs, and reading ``tokenizer.json`` directly.
+``tokenizers`` normalisers that ``server/text/engram_map.py`` runs, and reading ``tokenizer.json`` directly.
 Its switches re-create the deviations of the old map (a ``\\x00raw:`` prefix on byte-token keys, ``\\s+``,
 no lone-space sentinel, no fallback to the text), so the comparison is shown to catch each of them.
 """
@@ -14,8 +14,8 @@ import pytest
 import tokenizers
 import torch
 
-from flashtier.server.engram_map import engram_token_map, model_token_map, normalise
-from flashtier.server.tokenizer import Tokenizer, default_tokenizer_path
+from flashtier.server.text.engram_map import engram_token_map, model_token_map, normalise
+from flashtier.server.text.tokenizer import Tokenizer, default_tokenizer_path
 
 N_IDS = 129_280  # ids of the shipped tokenizer
 N_CLASSES = 99_092  # the V4.1 config's engram_compressed_vocab

@@ -11,12 +11,13 @@ import threading
 
 import pytest
 
-from flashtier.server import json_body, tokenizer as tokenizer_module
+from flashtier.server.http import json_body
+from flashtier.server.text import tokenizer as tokenizer_module
 from flashtier.server.app import _check_utf8
-from flashtier.server.frontend_pool import FrontendPool
-from flashtier.server.json_body import parse_json_body
-from flashtier.server.pooled_route import parse_body, validate_body
-from flashtier.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from flashtier.server.http.frontend_pool import FrontendPool
+from flashtier.server.http.json_body import parse_json_body
+from flashtier.server.http.pooled_route import parse_body, validate_body
+from flashtier.server.protocol.request_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 
 PIECES = ["abc", "XYZ", " ", "  ", "\n", "\n\n", " \n", "\t", "\r\n", "-", "_", ".", ",", "!?", "'", '"', "()", "[]",
           "{}", "<>", "/", "\\", "@#$%", "0", "12", "1234567", "é", "ü", "数据", "日本語", "ｶﾀ", "😀", "\u0301",

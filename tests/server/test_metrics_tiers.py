@@ -10,13 +10,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashtier.engine.engine_stats import split_tier_key, tier_key, tier_stats
-from flashtier.engine.outputs import EngineStats
-from flashtier.engine.tiers import TierManager
+from flashtier.engine.core.outputs import EngineStats
+from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.block_hash import BlockHash, namespace_hash
 from flashtier.kvstore.circuit_breaker import CircuitBreaker
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.snapshot import SnapshotKey
-from flashtier.server.metrics import ServerMetrics
+from flashtier.kvstore.snapshot.key import SnapshotKey
+from flashtier.server.serving.metrics import ServerMetrics
 
 from ..kvstore.redis_server import RedisServer
 

@@ -16,11 +16,11 @@ import uuid
 import openai
 import pytest
 
-from flashtier.server.chat_encoding import encode_to_ids
-from flashtier.server.response_store import MemoryResponseStore, StoredResponse, open_response_store
-from flashtier.server.response_store_disk import DiskResponseStore
-from flashtier.server.response_store_redis import RedisResponseStore
-from flashtier.server.settings import build_settings
+from flashtier.server.text.chat_encoding import encode_to_ids
+from flashtier.server.response_store.store import MemoryResponseStore, StoredResponse, open_response_store
+from flashtier.server.response_store.disk_store import DiskResponseStore
+from flashtier.server.response_store.redis_store import RedisResponseStore
+from flashtier.server.config.settings import build_settings
 
 from ..kvstore.redis_server import RedisServer, free_port
 from .conftest import DEFAULT_REPLY, run_server
@@ -130,14 +130,14 @@ def test_disk_that_cannot_be_written_fails_softly_and_logs_once(tmp_path, caplog
         assert not await store.put(_record())
         assert await store.get(f"resp_{uuid.uuid4().hex}") is None
 
-    caplog.set_level(logging.WARNING, logger="flashtier.server.response_store")
+    caplog.set_level(logging.WARNING, logger="flashtier.server.response_store.store")
     asyncio.run(run())
     assert store.stats.errors["put"] == 2
     assert len([r for r in caplog.records if "is failing" in r.getMessage()]) == 1
 
 
 def test_redis_keys_ttl_and_an_outage(caplog):
-    caplog.set_level(logging.WARNING, logger="flashtier.server.response_store")
+    caplog.set_level(logging.WARNING, logger="flashtier.server.response_store.store")
     with RedisServer() as redis_server:
         admin = redis_server.client()
         store = RedisResponseStore(redis_server.url, ttl_s=30, timeout_s=0.5)
@@ -252,7 +252,7 @@ def test_previous_response_id_survives_a_restart_in_redis(tokenizer, tmp_path):
 
 
 def test_a_dead_redis_does_not_fail_the_request(tokenizer, caplog):
-    caplog.set_level(logging.WARNING, logger="flashtier.server.response_store")
+    caplog.set_level(logging.WARNING, logger="flashtier.server.response_store.store")
     with run_server(tokenizer, redis_url=f"redis://127.0.0.1:{free_port()}/0") as server:
         client = server.openai()
         r = client.responses.create(model=server.settings.model_name, input="hi")

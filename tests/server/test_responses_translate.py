@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from flashtier.server.errors import BadRequest
-from flashtier.server.responses_protocol import ResponsesRequest, encode_reasoning
-from flashtier.server.responses_translate import parse_input, translate
+from flashtier.server.http.errors import BadRequest
+from flashtier.server.responses.protocol import ResponsesRequest, encode_reasoning
+from flashtier.server.responses.translate import parse_input, translate
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -1,7 +1,7 @@
 """Bad settings stop `flashtier serve` before the model loads: one line ``flashtier: error: --flag VALUE: what is
 wrong; how to fix``, exit status 2, no traceback (real `python -m flashtier.server.cli serve` processes, with the
 cache directory in tmp_path: that no demo checkpoint appears there shows the model was never loaded). The
-checks themselves (settings_checks.py) are also called directly, for what a process cannot show cheaply: a
+checks themselves (config/checks.py) are also called directly, for what a process cannot show cheaply: a
 read-only mount, the Redis probe against a real redis-server.
 """
 
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.ssd_store import SSDStore
-from flashtier.server import settings_checks
-from flashtier.server.settings import ServerSettings, build_settings
-from flashtier.server.settings_checks import SettingsError, check_kv_dir, preflight, probe_redis
+from flashtier.kvstore.ssd.store import SSDStore
+from flashtier.server.config import checks as settings_checks
+from flashtier.server.config.settings import ServerSettings, build_settings
+from flashtier.server.config.checks import SettingsError, check_kv_dir, preflight, probe_redis
 from ..kvstore.redis_server import RedisServer, free_port
 
 

@@ -10,7 +10,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashtier.server.tokenizer import IncrementalDetokenizer, Tokenizer, default_tokenizer_path
+from flashtier.server.text.tokenizer import IncrementalDetokenizer, Tokenizer, default_tokenizer_path
 
 
 @lru_cache(maxsize=1)

@@ -19,11 +19,11 @@ import torch
 
 from flashtier import __version__
 from flashtier.server.cli import _serve_seed, build_parser, main
-from flashtier.server.kv_dir_lock import KVDirInUse, KVDirLock, held_by
-from flashtier.server.protocol_responses import ChatCompletionChunk, ChatCompletionResponse
-from flashtier.server.request_checks import resolve_max_tokens
-from flashtier.server.settings import build_settings
-from flashtier.server.startup_log import mask_url, startup_lines
+from flashtier.server.config.kv_dir_lock import KVDirInUse, KVDirLock, held_by
+from flashtier.server.protocol.response_models import ChatCompletionChunk, ChatCompletionResponse
+from flashtier.server.serving.request_checks import resolve_max_tokens
+from flashtier.server.config.settings import build_settings
+from flashtier.server.config.startup_log import mask_url, startup_lines
 
 from .conftest import MAX_MODEL_LEN, run_server
 from .scripted_engine import SCRIPTED_SERVE_ARGV
@@ -110,7 +110,7 @@ def test_cors_only_with_allowed_origins(tokenizer):
 
 
 def test_x_request_id_is_echoed_and_logged(server, caplog):
-    caplog.set_level(logging.INFO, logger="flashtier.server.request_id")
+    caplog.set_level(logging.INFO, logger="flashtier.server.http.request_id")
     with server.http() as http:
         r = http.post("/v1/chat/completions", json={"messages": USER}, headers={"X-Request-Id": "client-7"})
         assert r.status_code == 200 and r.headers["x-request-id"] == "client-7"

@@ -1,0 +1,5 @@
+"""Sparse multi-query attention over the selected KV: ``op``, ``reference``, Triton ``kernel``.
+"""
+
+# The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
+__all__ = ["op"]

@@ -1,0 +1,187 @@
+"""The output loop that chat and completions share, and its two endings: an SSE stream or one JSON body.
+
+    EngineStream(s) ──merge_outputs──▶ Generation.render ──(choice, TextStep)──▶ renderer ──▶ SSE chunks
+     (one per prompt)                   (ChoiceText per choice;                   (a route's)     or one JSON body
+                                         RequestTracker: usage, metrics)
+
+A route builds a ``Generation``: its engine streams, and one state object per choice holding that
+choice's ``ChoiceText``. The loop feeds every token delta through the choice's ``ChoiceText`` and hands
+the resulting ``TextStep`` to the route's renderer; a choice the engine ended without finishing is
+handed to ``renderer.abort``. ``stream_response`` renders SSE chunks as they come (the engine streams
+are started first, so admission errors are still plain HTTP errors; later ones become an SSE error
+event); ``json_response`` runs the same loop and answers with the renderer's body. Every exit path
+closes the engine streams (aborting unfinished requests) and records the request's metrics once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from flashtier.server.text.choice_text import ChoiceText, TextStep
+from flashtier.server.http.disconnect import ClientDisconnected, cancel_on_disconnect
+from flashtier.server.serving.engine_stream import EngineStream, merge_outputs
+from flashtier.server.http.errors import APIError
+from flashtier.server.serving.metrics import RequestTracker
+from flashtier.server.http.sse import SSE_DONE, SSEResponse, sse_error, sse_event
+from flashtier.server.serving.state import merge_resume, sum_cache, usage_dict
+
+__all__ = ["BodyRenderer", "Generation", "OutputChoice", "StreamRenderer", "json_response", "stream_response"]
+
+logger = logging.getLogger(__name__)
+
+
+class OutputChoice(Protocol):
+    """What the loop needs of a route's per-choice state."""
+
+    index: int
+    text: ChoiceText
+    reasoning_tokens: int
+
+
+C = TypeVar("C", bound=OutputChoice)
+C_contra = TypeVar("C_contra", bound=OutputChoice, contravariant=True)
+
+
+class ChoiceRenderer(Protocol[C_contra]):
+    def step(self, choice: C_contra, step: TextStep) -> Iterable[bytes]:
+        """Take what one delta added to an unfinished choice; return the SSE chunks it makes (if any)."""
+        ...
+
+    def abort(self, choice: C_contra) -> Iterable[bytes]:
+        """The request ended without `choice` finishing: end it, return the chunks that says (if any)."""
+        ...
+
+
+class StreamRenderer(ChoiceRenderer[C_contra], Protocol[C_contra]):
+    def head(self) -> Iterable[bytes]:
+        """Chunks sent before any output (the assistant role, the echoed prompt)."""
+        ...
+
+
+class BodyRenderer(ChoiceRenderer[C_contra], Protocol[C_contra]):
+    def body(self) -> dict[str, Any]:
+        """The JSON answer, once every choice has ended."""
+        ...
+
+
+@dataclass
+class Generation(Generic[C]):
+    """One API request's engine streams and choices; choice ``k`` of stream ``i`` is ``choices[i * n + k]``."""
+
+    request_id: str
+    model: str
+    chunk_object: str  # the `object` of a streamed chunk
+    streams: list[EngineStream]
+    choices: list[C]
+    tracker: RequestTracker
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        """Choices per engine stream (the request's `n`)."""
+        return len(self.choices) // len(self.streams)
+
+    def usage(self) -> dict[str, Any]:
+        """The request's ``usage``, from what the tracker recorded of every engine output."""
+        prompt = sum(self.tracker.prompt_tokens(s.request_id) or len(s.prompt_token_ids) for s in self.streams)
+        return usage_dict(prompt, sum(c.text.num_tokens for c in self.choices),
+                          sum(c.reasoning_tokens for c in self.choices), sum_cache(self.tracker.caches),
+                          merge_resume(self.tracker.resumes))
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+              with_usage_field: bool = False) -> bytes:
+        payload: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
+                                   "model": self.model, "choices": choices}
+        if with_usage_field:
+            payload["usage"] = usage
+        return sse_event(json.dumps(payload, ensure_ascii=False))
+
+    async def render(self, renderer: ChoiceRenderer[C]) -> AsyncIterator[bytes]:
+        """The output loop: every delta of every unfinished choice through its ChoiceText to `renderer`."""
+        async for tagged in merge_outputs(self.streams):
+            self.tracker.on_output(tagged.output)
+            for delta in tagged.output.choices:
+                choice = self.choices[tagged.index * self.n + delta.index]
+                if choice.text.finished:
+                    continue
+                for chunk in renderer.step(choice, choice.text.add(delta)):
+                    yield chunk
+            if all(c.text.finished for c in self.choices):
+                break
+        for choice in self.choices:  # the engine ended a request without finishing this choice
+            if not choice.text.finished:
+                for chunk in renderer.abort(choice):
+                    yield chunk
+
+    async def start(self) -> None:
+        """Submit every engine request now (admission errors raise here); closes them all on failure."""
+        try:
+            for s in self.streams:
+                await s.start()
+        except BaseException:
+            for s in self.streams:
+                await s.close()
+            raise
+
+    async def close(self, renderer: ChoiceRenderer[C]) -> None:
+        """Close the engine streams (aborting unfinished requests) and record the metrics. Idempotent."""
+        for s in self.streams:
+            await s.close()
+        for choice in self.choices:
+            if not choice.text.finished:
+                renderer.abort(choice)
+        self.tracker.finish(completion_tokens=sum(c.text.num_tokens for c in self.choices),
+                            finish_reasons=[c.text.finish_reason for c in self.choices],
+                            max_tokens=self.streams[0].params.max_tokens, n=self.n)
+
+
+async def stream_response(gen: Generation[C], renderer: StreamRenderer[C], *, include_usage: bool) -> Response:
+    """Start the engine requests, then stream the renderer's chunks, the usage chunk and ``[DONE]``."""
+    await gen.start()
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            for chunk in renderer.head():
+                yield chunk
+            async for chunk in gen.render(renderer):
+                yield chunk
+            if include_usage:
+                yield gen.chunk([], gen.usage(), True)
+            yield SSE_DONE
+        except APIError as exc:
+            yield sse_error(exc)
+            yield SSE_DONE
+        except Exception:
+            logger.exception("stream %s failed", gen.request_id)
+            yield sse_error(APIError(500, "internal server error; the details are in the server log"))
+            yield SSE_DONE
+        finally:
+            await gen.close(renderer)
+
+    return SSEResponse(events(), headers={"X-Request-Id": gen.request_id})
+
+
+async def json_response(request: Request, gen: Generation[C], renderer: BodyRenderer[C]) -> Response:
+    """Run the loop to the end (cancelled if the client goes: 499), then answer the renderer's body."""
+
+    async def complete() -> dict[str, Any]:
+        try:
+            async for _ in gen.render(renderer):
+                pass
+        finally:
+            await gen.close(renderer)
+        return renderer.body()
+
+    try:
+        result = await cancel_on_disconnect(request, complete())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(result, headers={"X-Request-Id": gen.request_id})
