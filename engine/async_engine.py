@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from flashtier.engine.client import EngineDeadError, drain_outputs
 from flashtier.engine.engine import Engine
 from flashtier.engine.output_handoff import OutputHandoff
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
@@ -61,10 +62,6 @@ Command = AddCommand | AbortCommand
 class _Stream:
     loop: asyncio.AbstractEventLoop  # the caller's loop (outputs are put from the engine thread)
     queue: asyncio.Queue  # RequestOutput items, or the exception that killed the engine
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; the request cannot complete."""
 
 
 class AsyncEngine:
@@ -121,19 +118,11 @@ class AsyncEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"request {request_id} failed: {item}") from item
+        # aclosing: a consumer that leaves early closes the inner stream at once (its abort), not at collection
+        async with contextlib.aclosing(drain_outputs(queue, request_id,
+                                                     lambda: self._send(AbortCommand(request_id)))) as outputs:
+            async for item in outputs:
                 yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._send(AbortCommand(request_id))
 
     async def abort(self, request_id: str) -> None:
         self._send(AbortCommand(request_id))

@@ -8,7 +8,8 @@ reasoning); everything around it stays real.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
@@ -56,3 +57,29 @@ class EngineClient(Protocol):
 
 class QueueFullError(RuntimeError):
     """The engine's waiting queue is full; retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; the request cannot complete."""
+
+
+async def drain_outputs(queue: asyncio.Queue, request_id: str, abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """Yield a request's outputs from ``queue`` (filled from the engine's side) until the finished one.
+
+    An exception put on the queue (the engine died) raises ``EngineDeadError``. Leaving the iteration before
+    the finished output (the consumer stopped, was cancelled, or the engine died) calls ``abandon`` once: the
+    engine implementation aborts the request there. Shared by every ``EngineClient`` implementation.
+    """
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise EngineDeadError(f"request {request_id} failed: {item}") from item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        if not finished:
+            abandon()

@@ -71,13 +71,9 @@ def _run_layers(
     for layer in layers:
         block = model.layers[layer]
         attn = block.attn
-        if block.engram is not None:
-            x = block.engram(x, ngrams)
-        if capture is not None and layer in capture:  # DSpark's draft input: the block input, stream mean
-            capture[layer] = x.mean(dim=1)
-        h, amix = block.attn_input(x, pre)
-        q, qr = attn.project_q(h, pos_all)
-        kv_raw = attn.project_kv_raw(h, pos_all)
+        # Engram, DSpark capture, attention input and mix, projections
+        a = block.enter(x, pre, ngrams, pos_all, capture, layer)
+        x, h, amix, q, qr, kv_raw = a.x, a.h, a.amix, a.q, a.qr, a.kv_raw
         kv = qdq(fp8_qdq, kv_raw)
         o = torch.empty_like(q)
         for i, (state, seg) in enumerate(zip(states, segs)):

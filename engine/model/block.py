@@ -12,6 +12,8 @@ The attention core (which keys a query sees) is supplied by ``layer_forward``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -21,6 +23,19 @@ from flashtier.engine.model.engram import Engram
 from flashtier.engine.model.mhc import HcMix, hc_mixes, hc_post, hc_pre
 from flashtier.engine.model.moe import MoE
 from flashtier.engine.model.norm import RMSNorm
+
+
+@dataclass(frozen=True)
+class AttnInputs:
+    """What ``Block.enter`` gives: the streams after Engram, the attention input and mix, q and its RoPE'd
+    part, and the raw KV entry."""
+
+    x: torch.Tensor
+    h: torch.Tensor
+    amix: HcMix
+    q: torch.Tensor
+    qr: torch.Tensor
+    kv_raw: torch.Tensor
 
 
 class Block(nn.Module):
@@ -61,6 +76,19 @@ class Block(nn.Module):
     def attn_input(self, x: torch.Tensor, pre_in: torch.Tensor) -> tuple[torch.Tensor, HcMix]:
         """The attention input h [T, D] (normed collapse of the streams) and this sub-layer's mix."""
         return self.attn_norm(hc_pre(x, pre_in)), self._mix(x, "attn")
+
+    def enter(self, x: torch.Tensor, pre_in: torch.Tensor, grams: torch.Tensor | None, pos: torch.Tensor,
+              capture: dict[int, torch.Tensor | None] | None = None, layer: int = -1) -> AttnInputs:
+        """The layer's start, shared by the batched and the paged forwards: Engram (on its layers), DSpark's
+        capture of the block input (``capture[layer]``: the stream mean, when ``layer`` is asked for), the
+        attention input and mix, the query projections and the raw KV entry at positions ``pos``."""
+        if self.engram is not None:
+            x = self.engram(x, grams)
+        if capture is not None and layer in capture:
+            capture[layer] = x.mean(dim=1)
+        h, amix = self.attn_input(x, pre_in)
+        q, qr = self.attn.project_q(h, pos)
+        return AttnInputs(x, h, amix, q, qr, self.attn.project_kv_raw(h, pos))
 
     def finish(self, f: torch.Tensor, x: torch.Tensor, amix: HcMix) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual update with the attention output f, then the FFN sub-layer -> (x, pre_out)."""

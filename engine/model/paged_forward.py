@@ -52,13 +52,9 @@ def run_layers(
     for layer in layers:
         block = model.layers[layer]
         attn = block.attn
-        if block.engram is not None:
-            x = block.engram(x, grams)
-        if capture is not None and layer in capture:  # DSpark's draft input: the block input, stream mean
-            capture[layer] = x.mean(dim=1)
-        h, amix = block.attn_input(x, pre)
-        q, qr = attn.project_q(h, pos)
-        kv_raw = attn.project_kv_raw(h, pos)
+        # Engram, DSpark capture, attention input and mix, projections
+        a = block.enter(x, pre, grams, pos, capture, layer)
+        x, h, amix, q, qr, kv_raw = a.x, a.h, a.amix, a.q, a.qr, a.kv_raw
         o = attend_rows(block, rows, views, slots, h, q, qr, kv_raw, encoder=encoder)
         x, pre = block.finish(attn.output(o, pos), x, amix)
     return x, pre, slots

@@ -21,6 +21,7 @@ refused, and the remaining ranks are terminated. ``shutdown`` drains, stops the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import pickle
@@ -34,8 +35,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from flashtier.engine.async_engine import EngineDeadError
-from flashtier.engine.client import QueueFullError
+from flashtier.engine.client import EngineDeadError, QueueFullError, drain_outputs
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.parallel.executor_messages import AbortEvent, AddEvent, EngineInfo, Failed, StepDone, StepInput
@@ -143,20 +143,16 @@ class ParallelEngineClient:
             self._streams.pop(request_id, None)
             self.pacer.submit(AbortEvent(request_id))  # cancelled before admission: it may still be queued
             raise
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"request {request_id} failed: {item}") from item
+        # aclosing: a consumer that leaves early closes the inner stream at once (its abort), not at collection
+        async with contextlib.aclosing(drain_outputs(stream.queue, request_id,
+                                                     lambda: self._abandon(request_id))) as outputs:
+            async for item in outputs:
                 yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._streams.pop(request_id, None)
-                self.pacer.submit(AbortEvent(request_id))
+
+    def _abandon(self, request_id: str) -> None:
+        """The caller left a request's stream before its end: forget the stream and abort the request."""
+        self._streams.pop(request_id, None)
+        self.pacer.submit(AbortEvent(request_id))
 
     async def abort(self, request_id: str) -> None:
         self.pacer.submit(AbortEvent(request_id))

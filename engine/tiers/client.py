@@ -16,6 +16,7 @@ from flashtier.engine.tiers.snapshot_codec import encode_snapshot
 from flashtier.engine.tiers.manager import LookupQuery, SnapshotOutcome, TierLookup, TierManager
 from flashtier.kvstore.block_hash import replayed_namespace
 from flashtier.kvstore.snapshot.key import SnapshotKey
+from flashtier.kvstore.tenant import tag_of_salt
 
 log = logging.getLogger("flashtier.engine.tiers.client")
 
@@ -45,8 +46,9 @@ class TierClient:
     def write_through(self, req: Request, blocks: list[CachedBlock]) -> None:
         """Queue the images of newly full blocks for the SSD tier; ``req.persisted`` grows as they
         become durable."""
+        tenant = tag_of_salt(req.cache_salt)  # the record carries its tenant (kvstore/tenant.py)
         for blk in blocks:
-            self.tiers.write_block(blk.block_hash, self.kvm.image(blk.block_id), req.persisted.add)
+            self.tiers.write_block(blk.block_hash, self.kvm.image(blk.block_id), req.persisted.add, tenant)
 
     def snapshot(self, req: Request, seq: Sequence) -> None:
         """Put an encoder snapshot at P = len(tokens fed), replay tail included, into the snapshot pool

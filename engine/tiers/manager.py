@@ -30,6 +30,7 @@ from flashtier.kvstore.snapshot.key import SnapshotKey
 from flashtier.kvstore.ssd.put_result import PutResult
 from flashtier.kvstore.ssd.store import SSDStore
 from flashtier.kvstore.ssd.writer import SSDWriter
+from flashtier.kvstore.tenant import DEFAULT_TENANT_TAG
 
 log = logging.getLogger("flashtier.engine.tiers.manager")
 
@@ -119,12 +120,14 @@ class TierManager:
         self._pending: set[concurrent.futures.Future] = set()
 
     # ---- writes (fire and forget) ----------------------------------------------------------------
-    def write_block(self, key: BlockHash, image: bytes, on_durable: Callable[[int], None] | None = None) -> None:
-        """Write-through of a completed full block. ``on_durable(nbytes)`` runs (on the writer thread)
-        once the record is fsynced; a refused or failed write is only counted."""
+    def write_block(self, key: BlockHash, image: bytes, on_durable: Callable[[int], None] | None = None,
+                    tenant: bytes = DEFAULT_TENANT_TAG) -> None:
+        """Write-through of a completed full block of tenant ``tenant`` (its tag, kvstore/tenant.py: the
+        record carries it, so the tenant's deletion finds it). ``on_durable(nbytes)`` runs (on the writer
+        thread) once the record is fsynced; a refused or failed write is only counted."""
         if self.writer is None or key in self.ssd:
             return  # already on disk: a hit older than the refresh age re-appends it there
-        fut = self.writer.submit(key, image)
+        fut = self.writer.submit(key, image, tenant)
         fut.add_done_callback(lambda f, n=len(image): self._count_write(f, n, on_durable))
 
     def _count_write(self, fut: concurrent.futures.Future, nbytes: int,

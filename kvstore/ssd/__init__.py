@@ -3,4 +3,4 @@ the reader, compaction, refresh of lifetimes, and the health counters (``store``
 """
 
 # The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
-__all__ = ["health", "index", "put_result", "record", "segment", "store", "writer"]
+__all__ = ["health", "index", "put_result", "record", "segment", "store", "tenant_delete", "writer"]

@@ -19,9 +19,9 @@ import struct
 
 import crc32c
 
-from flashtier.kvstore.ssd.record import HEADER_BYTES, MAGIC, RECORD_VERSION
+from flashtier.kvstore.ssd.record import HEADER_BYTES, HEADER_FORMAT, MAGIC, RECORD_VERSION
 
-_HEADER = struct.Struct("<4sHH16sIdII")  # the layout ssd/record.py documents
+_HEADER = struct.Struct(HEADER_FORMAT)  # the layout ssd/record.py documents
 _CRC_SPAN = HEADER_BYTES - 4  # header_crc covers everything before itself
 assert _HEADER.size == HEADER_BYTES
 
@@ -33,7 +33,7 @@ def record_intact(head: bytes | bytearray | memoryview, at: int, payload: memory
     another key or length, a future version). Never raises for bad bytes; reads only."""
     if len(head) - at < HEADER_BYTES or len(payload) != length:
         return False
-    magic, version, flags, key, n, created_at, p_crc, h_crc = _HEADER.unpack_from(head, at)
+    magic, version, flags, key, _tenant, n, created_at, p_crc, h_crc = _HEADER.unpack_from(head, at)
     return (magic == MAGIC and key == digest and n == length and version == RECORD_VERSION and flags == 0
             and math.isfinite(created_at)
             and crc32c.crc32c(memoryview(head)[at : at + _CRC_SPAN], gil_release_mode=0) == h_crc

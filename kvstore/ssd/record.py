@@ -1,18 +1,26 @@
 """SSD record format: the fixed header in front of every payload in a segment file, and its checksums.
 
 A record is ``header || payload``; segments are nothing but records back to back. Byte map of the header
-(all integers little-endian, ``struct`` format ``<4sHH16sIdII``, 44 bytes)::
+(all integers little-endian, ``struct`` format ``<4sHH16s16sIdII``, 60 bytes)::
 
     offset  size  field        meaning
     0       4     magic        b"FTKV"; lets a scan resynchronise after a damaged header
-    4       2     version      RECORD_VERSION (1); any other value is refused, never guessed at
+    4       2     version      RECORD_VERSION (2); any other value is refused, never guessed at
     6       2     flags        reserved, 0; a non-zero value is a corrupt (or future) record
     8       16    key          the BlockHash digest the payload belongs to
-    24      4     length       payload bytes (u32)
-    28      8     created_at   f64 seconds on the store clock (wall time: it outlives the process)
-    36      4     payload_crc  crc32c(payload)
-    40      4     header_crc   crc32c(bytes 0..40 of this header)
-    44      ...   payload      ``length`` opaque bytes (a block's byte image, 56,960 B in the real model)
+    24      16    tenant       the tenant tag the block was written under (kvstore/tenant.py)
+    40      4     length       payload bytes (u32)
+    44      8     created_at   f64 seconds on the store clock (wall time: it outlives the process)
+    52      4     payload_crc  crc32c(payload)
+    56      4     header_crc   crc32c(bytes 0..56 of this header)
+    60      ...   payload      ``length`` opaque bytes (a block's byte image, 56,960 B in the real model)
+
+Version 1 (44-byte header, no tenant: ``<4sHH16sIdII``, header_crc over bytes 0..40) is recognised, never
+served: such a record cannot be attributed to a tenant, so deleting a tenant could not find it.
+``decode_header`` raises ``LegacyRecord`` (a RecordCorrupt carrying the record's size) for an intact v1
+header; a scan skips the record whole and counts it (``SegmentScan.legacy``), the store logs the count
+at start-up, and the bytes are garbage that compaction, eviction, ``kv wipe`` or a tenant deletion
+reclaims.
 
 Why two checksums: the header checksum lets a start-up scan trust ``length`` (and so find the next record)
 after reading 44 bytes, without reading the payload; a torn or flipped header is detected before its
@@ -31,18 +39,31 @@ from dataclasses import dataclass
 import crc32c
 
 from flashtier.kvstore.block_hash import DIGEST_BYTES, BlockHash
+from flashtier.kvstore.tenant import DEFAULT_TENANT_TAG, TAG_BYTES
 
 MAGIC = b"FTKV"
-RECORD_VERSION = 1
-_HEADER = struct.Struct("<4sHH16sIdII")
-HEADER_BYTES = _HEADER.size  # 44
+RECORD_VERSION = 2
+HEADER_FORMAT = "<4sHH16s16sIdII"
+_HEADER = struct.Struct(HEADER_FORMAT)
+HEADER_BYTES = _HEADER.size  # 60
 _CRC_SPAN = HEADER_BYTES - 4  # header_crc covers everything before itself
 MAX_PAYLOAD_BYTES = 0xFFFF_FFFF
-assert HEADER_BYTES == 44 and DIGEST_BYTES == 16
+LEGACY_VERSION = 1
+_LEGACY_HEADER = struct.Struct("<4sHH16sIdII")  # version 1: no tenant
+LEGACY_HEADER_BYTES = _LEGACY_HEADER.size  # 44
+assert HEADER_BYTES == 60 and DIGEST_BYTES == 16 and TAG_BYTES == 16 and LEGACY_HEADER_BYTES == 44
 
 
 class RecordCorrupt(ValueError):
     """Bytes that are not a valid record header (or a payload that fails its checksum)."""
+
+
+class LegacyRecord(RecordCorrupt):
+    """An intact version-1 header: a record without a tenant, skipped whole (``record_bytes`` long)."""
+
+    def __init__(self, record_bytes: int) -> None:
+        super().__init__(f"record version {LEGACY_VERSION} (no tenant; this build reads {RECORD_VERSION}): dropped")
+        self.record_bytes = record_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +74,7 @@ class RecordHeader:
     length: int  # payload bytes
     created_at: float  # seconds on the store clock
     payload_crc: int
+    tenant: bytes = DEFAULT_TENANT_TAG  # tenant tag (kvstore/tenant.py)
 
     @property
     def record_bytes(self) -> int:
@@ -64,11 +86,16 @@ def payload_crc(payload: bytes | bytearray | memoryview) -> int:
     return crc32c.crc32c(payload)
 
 
-def encode_record(key: BlockHash, payload: bytes | bytearray | memoryview, created_at: float) -> bytes:
-    """``header || payload`` as one bytes object, ready for a single append.
+def encode_record(key: BlockHash, payload: bytes | bytearray | memoryview, created_at: float,
+                  tenant: bytes = DEFAULT_TENANT_TAG) -> bytes:
+    """``header || payload`` as one bytes object, ready for a single append; ``tenant`` is the tag of the
+    tenant the block belongs to (kvstore/tenant.py; default: the default tenant).
 
-    ValueError for a key that is not a BlockHash, a non-finite ``created_at`` or a payload over 4 GiB.
+    ValueError for a key that is not a BlockHash, a tenant that is not 16 bytes, a non-finite
+    ``created_at`` or a payload over 4 GiB.
     """
+    if not isinstance(tenant, bytes) or len(tenant) != TAG_BYTES:
+        raise ValueError(f"an SSD record tenant is a {TAG_BYTES}-byte tag, got {tenant!r}")
     if not isinstance(key, BlockHash):
         raise ValueError(f"an SSD record key must be a BlockHash, got {type(key).__name__}")
     if not isinstance(payload, (bytes, bytearray, memoryview)):
@@ -78,7 +105,7 @@ def encode_record(key: BlockHash, payload: bytes | bytearray | memoryview, creat
         raise ValueError(f"payload of {view.nbytes} B exceeds the record limit of {MAX_PAYLOAD_BYTES} B")
     if not math.isfinite(created_at):
         raise ValueError(f"created_at must be a finite number of seconds, got {created_at!r}")
-    head = _HEADER.pack(MAGIC, RECORD_VERSION, 0, key.digest, view.nbytes, float(created_at), payload_crc(view), 0)
+    head = _HEADER.pack(MAGIC, RECORD_VERSION, 0, key.digest, tenant, view.nbytes, float(created_at), payload_crc(view), 0)
     head = head[:_CRC_SPAN] + struct.pack("<I", crc32c.crc32c(head[:_CRC_SPAN]))
     return head + view.tobytes()
 
@@ -88,11 +115,13 @@ def decode_header(buf: bytes | bytearray | memoryview) -> RecordHeader:
 
     Failure: RecordCorrupt naming the first check that failed (short buffer, magic, header checksum,
     version, flags). The checksum is checked before version and flags, so a damaged header reads as
-    damaged rather than as a future version.
+    damaged rather than as a future version. An intact version-1 header raises ``LegacyRecord``.
     """
+    if len(buf) >= LEGACY_HEADER_BYTES and bytes(buf[:4]) == MAGIC:
+        _legacy_check(buf)
     if len(buf) < HEADER_BYTES:
         raise RecordCorrupt(f"record header needs {HEADER_BYTES} B, got {len(buf)}")
-    magic, version, flags, key, length, created_at, p_crc, h_crc = _HEADER.unpack_from(buf, 0)
+    magic, version, flags, key, tenant, length, created_at, p_crc, h_crc = _HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise RecordCorrupt(f"bad record magic {magic!r}")
     if crc32c.crc32c(memoryview(buf)[:_CRC_SPAN]) != h_crc:
@@ -103,7 +132,16 @@ def decode_header(buf: bytes | bytearray | memoryview) -> RecordHeader:
         raise RecordCorrupt(f"unknown record flags {flags:#06x}")
     if not math.isfinite(created_at):
         raise RecordCorrupt(f"non-finite created_at {created_at!r}")
-    return RecordHeader(BlockHash(key), length, created_at, p_crc)
+    return RecordHeader(BlockHash(key), length, created_at, p_crc, tenant)
+
+
+def _legacy_check(buf: bytes | bytearray | memoryview) -> None:
+    """LegacyRecord when ``buf`` starts with an intact version-1 header (its own 44-byte checksum holds)."""
+    magic, version, flags, _key, length, created_at, _p_crc, h_crc = _LEGACY_HEADER.unpack_from(buf, 0)
+    if version != LEGACY_VERSION or flags != 0 or not math.isfinite(created_at):
+        return
+    if crc32c.crc32c(memoryview(buf)[: LEGACY_HEADER_BYTES - 4]) == h_crc:
+        raise LegacyRecord(LEGACY_HEADER_BYTES + length)
 
 
 def decode_record(buf: bytes | bytearray | memoryview, key: BlockHash | None = None) -> bytes:

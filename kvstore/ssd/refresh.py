@@ -21,9 +21,11 @@ from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.ssd.index import IndexEntry
 from flashtier.kvstore.ssd.meta import SSDMeta
 from flashtier.kvstore.ssd.put_result import PutResult
+from flashtier.kvstore.ssd.record import decode_header
 from flashtier.kvstore.ssd.record_io import verified_payload
 
-Put = Callable[[BlockHash, bytes, float], PutResult]  # the store's put under the write lock (key, payload, now)
+Put = Callable[[BlockHash, bytes, float, bytes], PutResult]  # the store's put under the write lock (key, payload,
+#                                                              now, tenant)
 
 
 class RefreshQueue:
@@ -69,7 +71,7 @@ class RefreshQueue:
                     if meta.index.remove(key, entry) is not None:
                         meta.stats.corrupt_records += 1
                 continue
-            if put(key, payload, now).ok:
+            if put(key, payload, now, decode_header(data).tenant).ok:  # the copy keeps its tenant
                 with meta.lock:
                     meta.stats.refreshes += 1
 

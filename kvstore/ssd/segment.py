@@ -27,7 +27,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashtier.kvstore.ssd.record import HEADER_BYTES, MAGIC, RecordCorrupt, RecordHeader, decode_header
+from flashtier.kvstore.ssd.record import (
+    HEADER_BYTES,
+    MAGIC,
+    LegacyRecord,
+    RecordCorrupt,
+    RecordHeader,
+    decode_header,
+)
 
 SEGMENT_SUFFIX = ".seg"
 FILE_MODE = 0o600  # segment and LOCK files: owner only
@@ -57,6 +64,11 @@ class SegmentScan:
     corrupt: int = 0  # damaged headers (skipped by resynchronising on the next valid header)
     torn_bytes: int = 0  # an incomplete record (or zero fill) at the tail, ignored
     end: int = 0  # file size when scanned
+    legacy: list[tuple[int, int]] = field(default_factory=list)  # (offset, bytes) of version-1 records, skipped
+
+    @property
+    def legacy_bytes(self) -> int:
+        return sum(n for _, n in self.legacy)
 
 
 class Segment:
@@ -201,7 +213,8 @@ class Segment:
         A header that fails its checks is counted corrupt and the scan resumes at the next offset that
         holds a valid header (found by its magic); if none follows, the rest is a torn tail when it is
         all zeros and one more corrupt record otherwise. A valid header whose payload runs past the end
-        of the file is a torn tail. Payload checksums are verified later, on read.
+        of the file is a torn tail. An intact version-1 record (ssd/record.py: no tenant) is skipped whole
+        and listed in ``legacy``, never indexed. Payload checksums are verified later, on read.
         """
         out = SegmentScan(end=os.fstat(self.fd).st_size)  # the file may be longer than a torn ``size``
         offset = 0
@@ -211,6 +224,13 @@ class Segment:
                 break
             try:
                 header = decode_header(self.read(offset, HEADER_BYTES))
+            except LegacyRecord as old:
+                if offset + old.record_bytes > out.end:
+                    out.torn_bytes = out.end - offset
+                    break
+                out.legacy.append((offset, old.record_bytes))
+                offset += old.record_bytes
+                continue
             except RecordCorrupt:
                 nxt = self._next_header(offset + 1, out.end)
                 if nxt is None:
@@ -240,6 +260,9 @@ class Segment:
                 try:
                     header = decode_header(self.read(cand, HEADER_BYTES))
                     if cand + header.record_bytes <= end:
+                        return cand
+                except LegacyRecord as old:
+                    if cand + old.record_bytes <= end:
                         return cand
                 except RecordCorrupt:
                     pass

@@ -30,6 +30,9 @@ class SSDStats:
     expirations: int = 0  # live records dropped because they were past their lifetime
     corrupt_records: int = 0  # damaged headers found by scans + records failing checks on read
     torn_bytes: int = 0  # bytes of torn tails found at start-up (ignored: dropped from the index)
+    legacy_records: int = 0  # version-1 records (no tenant) skipped at start-up: never served
+    tenant_deletions: int = 0  # delete_tenant() calls that completed
+    tenant_records_deleted: int = 0  # records (live or dead) removed by them
     evicted_segments: int = 0  # segment files deleted (dead, expired or compacted)
     compactions: int = 0  # segments whose records were copied out
     compacted_bytes: int = 0  # bytes copied by compaction

@@ -69,8 +69,10 @@ from flashtier.kvstore.ssd.segment import (
     segment_name,
 )
 from flashtier.kvstore.ssd.stats import SSDStats
+from flashtier.kvstore.ssd.tenant_delete import TenantDeletion, delete_tenant
+from flashtier.kvstore.tenant import DEFAULT_TENANT_TAG
 
-__all__ = ["Clock", "PutResult", "SSDStats", "SSDStore"]
+__all__ = ["Clock", "PutResult", "SSDStats", "SSDStore", "TenantDeletion"]
 
 Clock = Callable[[], float]
 log = logging.getLogger("flashtier.kvstore.ssd")
@@ -150,8 +152,13 @@ class SSDStore:
         self._log_scan_summary(time.monotonic() - started)
 
     def _log_scan_summary(self, seconds: float) -> None:
-        """One INFO line after the start-up scan: what the tier holds and what the scan dropped."""
+        """One INFO line after the start-up scan: what the tier holds and what the scan dropped; one WARNING
+        when it found version-1 records (no tenant: never served, reclaimed as garbage)."""
         st = self.stats()
+        if st.legacy_records:
+            log.warning("SSD tier %s: %d records of record version 1 (written before records carried their "
+                        "tenant) dropped: they are never served and their bytes are reclaimed as garbage",
+                        self._dir, st.legacy_records)  # fmt: skip
         log.info("SSD tier %s: %d segments, %d entries, %d B on disk (%d B live); scan dropped %d torn bytes "
                  "and %d corrupt records; oldest entry %.0f s old; scanned in %.2f s", self._dir, st.segments,
                  st.entries, st.bytes, st.live_bytes, st.torn_bytes, st.corrupt_records, st.oldest_entry_age_s,
@@ -170,11 +177,14 @@ class SSDStore:
         seg.sync()
         meta.stats.corrupt_records += scan.corrupt
         meta.stats.torn_bytes += scan.torn_bytes
+        meta.stats.legacy_records += len(scan.legacy)
         return scan
 
     # ---- writes ------------------------------------------------------------------------------------
-    def put(self, key: BlockHash, payload: bytes | bytearray | memoryview) -> PutResult:
-        """Append a record for ``key`` (the newest record of a key wins); durable after the next flush().
+    def put(self, key: BlockHash, payload: bytes | bytearray | memoryview,
+            tenant: bytes = DEFAULT_TENANT_TAG) -> PutResult:
+        """Append a record for ``key`` of tenant ``tenant`` (a tag, kvstore/tenant.py) (the newest record of
+        a key wins); durable after the next flush().
 
         A key already on disk is appended again, which restarts its lifetime (blocks are
         content-addressed, so the bytes are the same); to only fill a miss, check ``key in store`` first.
@@ -185,7 +195,7 @@ class SSDStore:
         self.validate_record(key, payload)
         with self._write_lock:
             self._meta.check_open()
-            result = self._put_locked(key, payload, self._clock())
+            result = self._put_locked(key, payload, self._clock(), tenant)
             if result.ok:
                 with self._lock:
                     self._meta.stats.puts += 1
@@ -223,9 +233,10 @@ class SSDStore:
             self._refresh.drain(now, self._put_locked)
             self._compactor.collect(now)
 
-    def _put_locked(self, key: BlockHash, payload: bytes | bytearray | memoryview, now: float) -> PutResult:
+    def _put_locked(self, key: BlockHash, payload: bytes | bytearray | memoryview, now: float,
+                    tenant: bytes = DEFAULT_TENANT_TAG) -> PutResult:
         """put() without the argument checks and the ``puts`` count. Write lock held."""
-        raw = encode_record(key, payload, now)
+        raw = encode_record(key, payload, now, tenant)
         if not self._compactor.make_room(len(raw), now):
             with self._lock:
                 self._meta.health.refused_locked(self.config.ssd_budget_bytes, now)
@@ -237,6 +248,20 @@ class SSDStore:
                 return PutResult.FAILED
             self._meta.index.insert(key, entry)
         return PutResult.STORED
+
+    def delete_tenant(self, tenant: bytes) -> TenantDeletion:
+        """Remove every record of tenant ``tenant`` (a tag), live or superseded, from the index and from disk:
+        each segment holding one (or bytes no tenant can be proven to own: version-1 records, damaged
+        ranges, torn tails) is rewritten without them, the copies fsynced, then the segment unlinked and
+        the directory fsynced (ssd/tenant_delete.py). Other tenants' records keep their ``created_at``.
+
+        Takes the write lock (writes wait). Failure: OSError after which the tenant's records are no
+        longer served (dropped from the index first) but some may still be on disk; a retry finishes.
+        ValueError for a tag that is not 16 bytes.
+        """
+        with self._write_lock:
+            self._meta.check_open()
+            return delete_tenant(self._meta, self._log, self._compactor, tenant, self._clock())
 
     # ---- reads -------------------------------------------------------------------------------------
     def get(self, key: BlockHash) -> bytes | None:

@@ -33,6 +33,7 @@ from typing import TypeVar
 
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.ssd.store import PutResult, SSDStore
+from flashtier.kvstore.tenant import DEFAULT_TENANT_TAG, TAG_BYTES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,6 +59,7 @@ class _Put:
     key: BlockHash
     payload: bytes
     future: Future[PutResult]
+    tenant: bytes = DEFAULT_TENANT_TAG
 
 
 @dataclass(slots=True)
@@ -85,13 +87,17 @@ class SSDWriter:
         self._thread.start()
 
     # ---- engine side (never blocks on I/O) ---------------------------------------------------------
-    def submit(self, key: BlockHash, payload: bytes | bytearray | memoryview) -> Future[PutResult]:
-        """Queue one block; the future resolves after the record is durable (or refused/failed/dropped).
+    def submit(self, key: BlockHash, payload: bytes | bytearray | memoryview,
+               tenant: bytes = DEFAULT_TENANT_TAG) -> Future[PutResult]:
+        """Queue one block of tenant ``tenant`` (a tag, kvstore/tenant.py); the future resolves after the
+        record is durable (or refused/failed/dropped).
 
-        Copies ``payload`` unless it is ``bytes`` (the caller may reuse its buffer). ValueError for a key
-        or payload the store would reject; RuntimeError after close().
+        Copies ``payload`` unless it is ``bytes`` (the caller may reuse its buffer). ValueError for a key,
+        payload or tenant the store would reject; RuntimeError after close().
         """
         self.store.validate_record(key, payload)
+        if not isinstance(tenant, bytes) or len(tenant) != TAG_BYTES:
+            raise ValueError(f"a tenant is a {TAG_BYTES}-byte tag, got {tenant!r}")
         data = payload if isinstance(payload, bytes) else bytes(payload)
         future: Future[PutResult] = Future()
         with self._cond:
@@ -102,7 +108,7 @@ class SSDWriter:
                 self._stats.dropped += 1
                 future.set_result(PutResult.DROPPED)
                 return future
-            self._queue.append(_Put(key, data, future))
+            self._queue.append(_Put(key, data, future, tenant))
             self._stats.pending_records += 1
             self._stats.pending_bytes += len(data)
             self._cond.notify()
@@ -111,6 +117,24 @@ class SSDWriter:
     async def put(self, key: BlockHash, payload: bytes | bytearray | memoryview) -> PutResult:
         """``submit`` for asyncio callers: awaits durability without blocking the event loop."""
         return await asyncio.wrap_future(self.submit(key, payload))
+
+    def discard_tenant(self, tenant: bytes) -> int:
+        """Drop the queued, not yet written blocks of ``tenant``; their futures resolve to DROPPED. Returns
+        how many. Mutates the queue and the pending gauges (``dropped`` counts them). Never blocks on I/O."""
+        with self._cond:
+            kept: deque[_Put | _Barrier] = deque()
+            gone: list[_Put] = []
+            for item in self._queue:
+                (gone if isinstance(item, _Put) and item.tenant == tenant else kept).append(item)
+            self._queue = kept
+            for item in gone:
+                self._stats.pending_records -= 1
+                self._stats.pending_bytes -= len(item.payload)
+                self._stats.dropped += 1
+        for item in gone:
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_result(PutResult.DROPPED)
+        return len(gone)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every block submitted before this call is durable (or refused/failed).
@@ -184,7 +208,7 @@ class SSDWriter:
         for item in batch:
             if isinstance(item, _Put):
                 try:
-                    results.append((item, self.store.put(item.key, item.payload)))
+                    results.append((item, self.store.put(item.key, item.payload, item.tenant)))
                 except Exception as exc:  # a closed store or a bug: fail this future, keep serving
                     item.future.set_exception(exc)
         durable = self._guarded(self.store.flush) is True

@@ -10,6 +10,10 @@ the same fold::
     ToolCallArgsDelta -> input_json_delta {partial_json}    (the fragments concatenate to the input)
     ToolCallEnd       -> content_block_stop
 
+A call cut off by max_tokens has no ToolCallEnd: its block is stopped at the end like any other, the
+stream has sent the input_json_delta of the arguments so far, and the Message's block has ``input: {}``
+(those arguments are not a whole JSON object).
+
 A block of another kind (or the end) stops the open one; block indexes are consecutive from 0.
 Thinking blocks carry the constant signature ``SIGNATURE``: clients require a non-empty one and send
 it back, and this server does not check it.
@@ -52,6 +56,7 @@ class _Block:
     pieces: list[str] = field(default_factory=list)  # thinking / text / input JSON fragments
     id: str = ""
     name: str = ""
+    ended: bool = False  # tool_use: its ToolCallEnd came, so the pieces are a whole JSON object
 
     def opening(self) -> dict[str, Any]:
         """The block as content_block_start announces it: empty."""
@@ -67,7 +72,8 @@ class _Block:
             return {"type": "thinking", "thinking": text, "signature": SIGNATURE}
         if self.kind == "text":
             return {"type": "text", "text": text}
-        return {"type": "tool_use", "id": self.id, "name": self.name, "input": json.loads(text) if text else {}}
+        return {"type": "tool_use", "id": self.id, "name": self.name,
+                "input": json.loads(text) if text and self.ended else {}}
 
 
 def _tool_use_id(call_id: str) -> str:
@@ -98,6 +104,8 @@ class ContentBlocks:
                     self.blocks[-1].pieces.append(ev.text)
                     out.append(self._delta({"type": "input_json_delta", "partial_json": ev.text}))
             elif isinstance(ev, ToolCallEnd):
+                if self._open and self.blocks[-1].kind == "tool_use":
+                    self.blocks[-1].ended = True
                 out += self.close()
         return out
 

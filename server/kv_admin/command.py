@@ -2,7 +2,8 @@
 
     flashtier kv stats  [--kv-dir DIR] [--kv-disk-budget SIZE] [--kv-lifetime DUR] [--json]
     flashtier kv verify [--kv-dir DIR] [--json]
-    flashtier kv wipe   [--kv-dir DIR] (--all | --older-than DUR) (--yes | --dry-run) [--json]
+    flashtier kv wipe   [--kv-dir DIR] (--all | --older-than DUR | --namespace NS | --api-key KEY)
+                        (--yes | --dry-run) [--json]
 
 DIR, SIZE and DUR are read as ``serve`` reads them: the flag, else ``FLASHTIER_KV_DIR``,
 ``FLASHTIER_KV_DISK_BUDGET``, ``FLASHTIER_KV_LIFETIME``, else (budget, lifetime) serve's defaults; so in
@@ -12,8 +13,11 @@ Each command refuses a directory a live server or store holds (kv_admin/lock.py)
 status 2, as every bad argument. ``stats`` and ``verify`` only read; ``verify`` exits 1 when a record or a
 range fails its checks (they are listed), 0 otherwise. ``wipe`` removes records (kvstore/ssd/admin/wipe.py:
 whole segments, or segments rewritten without the selected records) and needs ``--yes``; ``--dry-run``
-counts what it would remove. Records carry no namespace, so there is no per-namespace selection
-(docs/operations.md, "Wiping").
+counts what it would remove. ``--namespace NS`` (a shared-mode cache_salt, or the tenant hex of a key) and
+``--api-key KEY`` (the key's tenant under per-key isolation, derived as the server derives it,
+kvstore/tenant.py) remove one tenant: its SSD records, live or superseded, with the bytes no tenant can
+be proven to own, and (``--api-key``) its stored conversations under ``KV_DIR/responses`` (overwritten,
+fsynced, unlinked). ``--all`` removes the stored conversations too (docs/operations.md, "Deleting a tenant").
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from flashtier.kvstore.ssd.admin.scan import scan_tier
 from flashtier.kvstore.ssd.admin.verify import verify_tier
 from flashtier.kvstore.ssd.admin.wipe import wipe_tier
 from flashtier.server.kv_admin.format import format_report, format_verify, format_wipe
+from flashtier.kvstore.tenant import api_key_tenant, tenant_tag
 from flashtier.server.kv_admin.lock import admin_access
+from flashtier.server.response_store.owner import count_files, delete_owner_files, response_owner, responses_dir
 from flashtier.server.config.options import OPTIONS, Option
 
 __all__ = ["add_kv_parser"]
@@ -92,7 +98,13 @@ def _stats(args: argparse.Namespace) -> int:
     lifetime = _setting(args, "kv_lifetime_s", os.environ)
     with admin_access(kv_dir, write=False):
         report = tier_report(scan_tier(kv_dir), now=time.time(), budget_bytes=budget, lifetime_s=lifetime)
-    _emit(args, report, format_report(report))
+        stored = count_files(responses_dir(kv_dir))
+    text = format_report(report) + (f"\n  responses       {stored.records:,} stored conversations ({stored.bytes:,} B) "
+                                    f"in {responses_dir(kv_dir)}")
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(report), "responses": dataclasses.asdict(stored)}, indent=2))
+    else:
+        print(text)
     return 0
 
 
@@ -110,14 +122,45 @@ def _wipe(args: argparse.Namespace) -> int:
     kv_dir = _kv_dir(args, os.environ)
     if not (args.yes or args.dry_run):
         raise ValueError("kv wipe deletes records: add --yes, or --dry-run to count what it would delete")
+    owner: str | None = None
+    tenant_wipe = args.namespace is not None or args.api_key is not None
     if args.all:
         what, select = "every record", lambda header: True
+    elif tenant_wipe:
+        if args.api_key is not None:
+            if not args.api_key:
+                raise ValueError("--api-key: an API key is a non-empty string")
+            name, owner = api_key_tenant(args.api_key), response_owner(args.api_key)
+            what = f"tenant of the API key, namespace {name}"
+        else:
+            name, what = args.namespace, f"namespace {args.namespace!r}"
+        tag = tenant_tag(name)
+        what += f", tag {tag.hex()}"
+        select = lambda header: header.tenant == tag  # noqa: E731
     else:
         cutoff = time.time() - args.older_than
         what, select = f"records older than {args.older_than:g} s", lambda header: header.created_at < cutoff
     with admin_access(kv_dir, write=not args.dry_run):
-        result = wipe_tier(kv_dir, select, dry_run=args.dry_run)
-    _emit(args, result, format_wipe(result, kv_dir, what, dry_run=args.dry_run))
+        result = wipe_tier(kv_dir, select, dry_run=args.dry_run, drop_unattributed=tenant_wipe)
+        if args.all or owner is not None:
+            responses = delete_owner_files(responses_dir(kv_dir), owner, everything=args.all, dry_run=args.dry_run)
+        else:
+            responses = None
+    text = format_wipe(result, kv_dir, what, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    if responses is not None:
+        text += f"\nresponse store {responses_dir(kv_dir)}: {verb} {responses.records:,} stored conversations"
+    elif tenant_wipe:
+        text += ("\nresponse store: not touched (stored conversations carry an owner only for --api-key under "
+                 "--cache-isolation per-key)")
+    else:
+        text += f"\nresponse store {responses_dir(kv_dir)}: not touched (only --all and --api-key remove " \
+                "stored conversations)"
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(result),
+                          "responses": dataclasses.asdict(responses) if responses else None}, indent=2))
+    else:
+        print(text)
     return 0
 
 
@@ -165,6 +208,10 @@ def add_kv_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--all", action="store_true", help="every record (e.g. after a model change)")
     which.add_argument("--older-than", dest="older_than", type=_typed("kv_lifetime_s"), default=None,
                        metavar="DUR", help="records written more than DUR ago (e.g. 24h)")
+    which.add_argument("--namespace", dest="namespace", default=None, metavar="NS",
+                       help="one tenant: its cache_salt (shared isolation) or the tenant hex of a key")
+    which.add_argument("--api-key", dest="api_key", default=None, metavar="KEY",
+                       help="one tenant: the API key's (per-key isolation), stored conversations included")
     wipe.add_argument("--yes", action="store_true", help="really delete")
     wipe.add_argument("--dry-run", dest="dry_run", action="store_true", help="count, delete nothing")
     wipe.set_defaults(func=_wipe)

@@ -46,10 +46,15 @@ def format_report(r: TierReport) -> str:
         f"    young         {format_bytes(r.young_bytes)} inside the {format_age(r.lifetime_s)} lifetime (never "
         "evicted)",
         f"    expired       {format_bytes(r.expired_bytes)} (evicted when a write needs room)",
-        f"  garbage         dead {format_bytes(r.dead_bytes)}, damaged {format_bytes(r.damaged_bytes)}, torn "
-        f"{format_bytes(r.torn_bytes)}",
+        f"  garbage         dead {format_bytes(r.dead_bytes)}, damaged headers {format_bytes(r.damaged_bytes)}, torn "
+        f"{format_bytes(r.torn_bytes)}, version-1 records {r.legacy_records:,} ({format_bytes(r.legacy_bytes)})",
+        f"                  ({r.damaged_note})",
         f"  oldest entry    {format_age(r.oldest_age_s)} old; newest {format_age(r.newest_age_s)} old",
-        f"  namespaces      {r.namespaces}",
+        f"  namespaces      {len(r.namespaces)} (tenant tags; `kv wipe --namespace NS | --api-key KEY --dry-run` "
+        "shows one tenant's)",
+        *(f"    {n.tag}{' (default: no cache_salt)' if n.default else ''}  {n.entries:,} live, "
+          f"{format_bytes(n.live_bytes)}; {n.records:,} records in all, {format_bytes(n.record_bytes)}"
+          for n in r.namespaces),
         "  age histogram (live entries)",
     ]
     for b in r.ages:
@@ -69,6 +74,10 @@ def format_verify(r: VerifyReport) -> str:
         lines.append(f"  segment {b.segment_id:012d} offset {b.offset}: {what}, {b.bytes} B: {b.reason}{state}")
     if len(r.bad) > MAX_LISTED:
         lines.append(f"  ... and {len(r.bad) - MAX_LISTED} more (--json lists them all)")
+    for tag, (n, bad) in sorted(r.namespaces.items()):
+        lines.append(f"  namespace {tag}: {n:,} records, {bad} bad")
+    if r.legacy_records:
+        lines.append(f"  {r.legacy_records:,} version-1 records (no tenant): never served, reclaimed as garbage")
     for t in r.torn:
         lines.append(f"  segment {t.segment_id:012d} offset {t.offset}: torn tail, {t.bytes} B (a crash mid-write; "
                      "ignored, not damage)")
@@ -80,4 +89,6 @@ def format_wipe(r: WipeResult, kv_dir: str, what: str, *, dry_run: bool) -> str:
     return (f"SSD tier {kv_dir}: {verb} {r.records_removed:,} records ({what}), {format_bytes(r.bytes_removed)}; "
             f"kept {r.records_kept:,}; segments deleted {r.segments_deleted}, rewritten {r.segments_rewritten}; "
             f"{format_bytes(r.bytes_freed)} freed"
-            + (f"; {r.corrupt_dropped} corrupt records dropped" if r.corrupt_dropped else ""))
+            + (f"; {r.corrupt_dropped} corrupt records dropped" if r.corrupt_dropped else "")
+            + (f"; {format_bytes(r.unattributed_removed)} of damaged, torn or version-1 bytes dropped"
+               if r.unattributed_removed else ""))

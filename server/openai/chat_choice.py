@@ -1,6 +1,10 @@
 """One choice of a chat completion: its text (``ChoiceText``), then ``DsmlStreamParser``, whose events
 both renderers of openai/chat_route.py turn into OpenAI fields; the events are also folded into the whole
 answer, and the reasoning tokens counted for ``usage``.
+
+A choice that ends by "length" or "abort" was cut off: the parser is finished with ``cut=True``, so no
+markup reaches a client and a call cut off after its name is a call with the arguments so far (no
+``ToolCallEnd``; dsml.py).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from flashtier.server.text.choice_text import ChoiceText, TextStep
 from flashtier.server.text.dsml import DsmlStreamParser
 from flashtier.server.text.dsml_events import CompletionBuilder, Event
 
-__all__ = ["ChatChoiceState"]
+__all__ = ["CUT_REASONS", "ChatChoiceState"]
+
+CUT_REASONS = ("length", "abort")  # engine finish reasons that stop the output before the model ended it
 
 
 @dataclass
@@ -30,7 +36,8 @@ class ChatChoiceState:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     def step(self, step: TextStep) -> list[Event]:
-        """Parser events for a TextStep (already applied to self.text); collects them too."""
+        """Parser events for a TextStep (already applied to self.text); folds them into ``answer`` and
+        counts reasoning tokens (mutates both and the parser)."""
         for tok in step.token_ids:
             if self.in_reasoning:
                 if tok == self.think_end_id:
@@ -39,7 +46,7 @@ class ChatChoiceState:
                     self.reasoning_tokens += 1
         events = self.parser.feed(step.text) if step.text else []
         if step.finish_reason is not None:
-            events += self.parser.finish()
+            events += self.parser.finish(cut=step.finish_reason in CUT_REASONS)
         kept: list[Event] = []
         for ev in events:
             index = getattr(ev, "index", None)

@@ -11,7 +11,9 @@ then ``DsmlStreamParser`` (chat_choice.py), whose events become OpenAI fields:
 One output loop (generation.py) drives two renderers: ``ChatStreamRenderer`` sends those deltas as SSE
 chunks, ``ChatBodyRenderer`` folds the very same events into one message, so both forms agree. How the
 prompt is rendered (thinking mode, tools, tool_choice) is in chat_prompt.py;
-``parallel_tool_calls=false`` keeps only the first call.
+``parallel_tool_calls=false`` keeps only the first call. A call cut off by ``max_tokens`` after its name
+arrives with the last step, its arguments the (possibly incomplete) JSON written so far, and the choice
+ends with "length"; no DSML markup is ever sent (chat_choice.py, dsml.py).
 
 ``return_token_ids`` (vLLM's extension): the answer carries ``prompt_token_ids`` and each choice its
 ``token_ids``; a stream carries ``prompt_token_ids`` in its first chunk and each step's ids on the first

@@ -3,4 +3,4 @@ in Redis (``store`` opens the one the settings name).
 """
 
 # The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
-__all__ = ["store"]
+__all__ = ["owner", "store"]

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from flashtier.server.response_store.owner import delete_owner_files
 from flashtier.server.response_store.store import DEFAULT_TTL_S, ResponseStore, StoredResponse, is_response_id
 
 __all__ = ["DiskResponseStore"]
@@ -96,6 +97,10 @@ class DiskResponseStore(ResponseStore):
             return False
         self._ok("delete")
         return removed
+
+    async def delete_owner(self, owner: str) -> int:
+        """Overwrite, fsync and unlink every record file of ``owner`` (owner.py), on a worker thread."""
+        return (await asyncio.to_thread(delete_owner_files, self.dir, owner)).records
 
     async def close(self) -> None:
         if self._sweep is not None:

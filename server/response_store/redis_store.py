@@ -95,6 +95,22 @@ class RedisResponseStore(ResponseStore):
         ok, n = await self._call("delete", lambda: self._client.delete(self.prefix + response_id))
         return bool(ok and n)
 
+    async def delete_owner(self, owner: str) -> int:
+        """SCAN the records (``prefix*``), GET each, DEL those of ``owner``. Redis errors are raised (not
+        counted as misses): a deletion must not look done when it is not."""
+        removed = 0
+        async for key in self._client.scan_iter(match=self.prefix + "*", count=500):
+            raw = await self._client.get(key)
+            if raw is None:
+                continue
+            try:
+                if StoredResponse.from_json(raw).owner != owner:
+                    continue
+            except ValueError:
+                continue
+            removed += await self._client.delete(key)
+        return removed
+
     async def close(self) -> None:
         try:
             await asyncio.wait_for(self._client.aclose(), self.timeout_s)

@@ -101,6 +101,12 @@ class ResponseStore:
     async def delete(self, response_id: str) -> bool:
         raise NotImplementedError
 
+    async def delete_owner(self, owner: str) -> int:
+        """Remove every record of ``owner`` (server/response_store/owner.py), gone from the backend's storage
+        when it returns; the number removed. Failure: OSError / the backend's error, raised (an operator's
+        deletion must not look done when it is not)."""
+        raise NotImplementedError
+
     async def close(self) -> None:
         return None
 
@@ -150,6 +156,12 @@ class MemoryResponseStore(ResponseStore):
     async def delete(self, response_id: str) -> bool:
         self._ok("delete")
         return self._records.pop(response_id, None) is not None
+
+    async def delete_owner(self, owner: str) -> int:
+        gone = [rid for rid, (_, raw) in self._records.items() if StoredResponse.from_json(raw).owner == owner]
+        for rid in gone:
+            del self._records[rid]
+        return len(gone)
 
 
 def open_response_store(settings: ServerSettings) -> ResponseStore:

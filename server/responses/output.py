@@ -11,7 +11,9 @@ An item opens with ``response.output_item.added`` (and, for text, ``response.con
 by deltas (``response.reasoning_text.delta`` / ``response.output_text.delta`` /
 ``response.function_call_arguments.delta``) and closes with the matching ``.done`` events and
 ``response.output_item.done`` when an item of another kind starts or the output ends. Events are plain
-dicts without ``sequence_number`` (the stream numbers them).
+dicts without ``sequence_number`` (the stream numbers them). A call cut off by max_output_tokens (no
+ToolCallEnd) is closed by ``finish("incomplete")``: its item has ``status: incomplete`` and the arguments
+so far (possibly incomplete JSON).
 
 Item ids are ``<prefix>_<hex of the response id>_<n>``, so an ``item_reference`` to an output item
 names the stored response to look in (``response_id_of_item``).
@@ -132,7 +134,7 @@ class OutputBuilder:
             out.append(self._ev("response.content_part.done", op, content_index=0, part=part))
             item["content"], item["status"] = [part], status
         else:
-            item["arguments"], item["status"] = text, "completed"
+            item["arguments"], item["status"] = text, status
             out.append(self._ev("response.function_call_arguments.done", op, arguments=text, name=item["name"]))
         self.items.append(item)
         out.append({"type": "response.output_item.done", "output_index": op.index, "item": item})

@@ -13,6 +13,12 @@ back until the next delta decides it. Concatenating the events of any chunking g
 once its `</｜DSML｜ invoke>` arrives: the arguments are only known to be well formed then, and an event
 already sent cannot be taken back. Malformed or unterminated markup never raises: from the first point
 that does not parse, the raw text is emitted as content.
+
+Output that was cut off (``finish(cut=True)``: max_tokens, or the request ended) never shows markup.
+Held text that may be the start of a marker is dropped, and so is a calls block whose invoke has no
+complete name yet. An invoke whose name is complete becomes a call: `ToolCallStart` and
+`ToolCallArgsDelta` with the arguments so far (`parse_invoke_prefix`: a possibly incomplete JSON text)
+and no `ToolCallEnd`; a call without its end is one that was cut off.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from flashtier.server.text.dsml_markup import (
     INVOKE_OPEN,
     WHITESPACE,
     parse_invoke,
+    parse_invoke_prefix,
 )
 from flashtier.server.text.held_suffix import held_suffix
 from flashtier.server.text.tokenizer import EOS_TEXT, THINK_END
@@ -100,8 +107,14 @@ class DsmlStreamParser:
         self._consume(text, out)
         return coalesce(out)
 
-    def finish(self) -> list[Event]:
-        """End of output: releases held text; an unterminated calls block becomes content."""
+    def finish(self, *, cut: bool = False) -> list[Event]:
+        """End of output; returns the last events. Ends the parser (a later `feed` raises ValueError).
+
+        The model ended its output (`cut` False): held text is released and an unterminated calls block
+        becomes content. The output was cut off (`cut` True: max_tokens, an aborted request): held text
+        that may start a marker is dropped, an invoke with a complete name becomes a call without its
+        `ToolCallEnd` (the arguments so far), and the rest of an open calls block is dropped.
+        """
         if self._finished:
             return []
         out: list[Event] = []
@@ -110,7 +123,9 @@ class DsmlStreamParser:
         self._finished = True
         self._unwait()
         buf, self._buf = self._buf, ""
-        if self._mode is _Mode.REASONING and buf:
+        if cut:
+            self._finish_cut(buf, out)
+        elif self._mode is _Mode.REASONING and buf:
             out.append(ReasoningDelta(buf))
         elif self._mode is _Mode.CONTENT and buf:
             out.append(ContentDelta(buf))
@@ -118,6 +133,21 @@ class DsmlStreamParser:
             # An unterminated block whose invokes all closed (only whitespace left) is accepted as is.
             out.append(ContentDelta(self._block_raw + buf))
         return coalesce(out)
+
+    def _finish_cut(self, buf: str, out: list[Event]) -> None:
+        """`finish(cut=True)` on what the current mode still holds (`buf`); appends the events to `out`."""
+        if self._mode is not _Mode.CALLS:
+            return  # reasoning / content: only a possible marker start is held; after calls: whitespace
+        rest = buf.lstrip(WHITESPACE)
+        if not rest.startswith(INVOKE_OPEN):
+            return  # a tag still arriving (anything else already went raw in _step_calls)
+        partial = parse_invoke_prefix(rest)
+        if partial is None:
+            return  # the name is not complete: no call
+        index = self._num_calls
+        self._num_calls += 1
+        out.append(ToolCallStart(index, make_call_id(index, self._id_seed), partial.name))
+        out.append(ToolCallArgsDelta(index, partial.arguments))
 
     # ---- the mode machine -------------------------------------------------------------------------------
 
@@ -212,8 +242,10 @@ class DsmlStreamParser:
         return False
 
 
-def parse_completion(text: str, thinking: bool, tools_enabled: bool, *, id_seed: str | None = None) -> ParsedCompletion:
-    """Non-streaming parse of a whole completion: the same rules as feeding it to `DsmlStreamParser`."""
+def parse_completion(text: str, thinking: bool, tools_enabled: bool, *, id_seed: str | None = None,
+                     cut: bool = False) -> ParsedCompletion:
+    """Non-streaming parse of a whole completion: the same rules as feeding it to `DsmlStreamParser`
+    (`cut`: the output was cut off, as `DsmlStreamParser.finish`)."""
     parser = DsmlStreamParser(thinking, tools_enabled, id_seed=id_seed)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(cut=cut)
     return collect_events(events)

@@ -1,8 +1,9 @@
 """What the DSML stream parser emits: typed events, and complete tool calls folded from them.
 
 A completion's text becomes `ReasoningDelta` / `ContentDelta` pieces and, per tool call, `ToolCallStart`,
-`ToolCallArgsDelta` (the arguments JSON text) and `ToolCallEnd`. `collect_events` folds any sequence of
-them into a `ParsedCompletion`.
+`ToolCallArgsDelta` (the arguments JSON text) and `ToolCallEnd`. A call whose `ToolCallEnd` never comes
+was cut off (max_tokens): its arguments are the text written so far, possibly incomplete JSON.
+`collect_events` folds any sequence of them into a `ParsedCompletion`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgsDelta | Tool
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON object text
+    arguments: str  # JSON object text; when not `complete`, the start of one
+    complete: bool = True  # False: the output was cut off inside this call
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -107,7 +109,8 @@ class _OpenCall:
 
 
 class CompletionBuilder:
-    """Folds events, as they come, into reasoning, content and the tool calls that ended."""
+    """Folds events, as they come, into reasoning, content and tool calls (those that never ended, cut
+    off, with ``complete`` False). ``add`` mutates the builder; ``build`` does not."""
 
     def __init__(self) -> None:
         self._reasoning: list[str] = []
@@ -131,13 +134,12 @@ class CompletionBuilder:
             self._calls[ev.index].ended = True
 
     def build(self) -> ParsedCompletion:
-        calls = [ToolCall(c.id, c.name, "".join(c.arguments))
-                 for _, c in sorted(self._calls.items()) if c.ended]
+        calls = [ToolCall(c.id, c.name, "".join(c.arguments), c.ended) for _, c in sorted(self._calls.items())]
         return ParsedCompletion("".join(self._reasoning), "".join(self._content), calls)
 
 
 def collect_events(events: Iterable[Event]) -> ParsedCompletion:
-    """Fold a stream of events into reasoning, content and complete tool calls."""
+    """Fold a stream of events into reasoning, content and tool calls (cut-off ones not `complete`)."""
     builder = CompletionBuilder()
     for ev in events:
         builder.add(ev)

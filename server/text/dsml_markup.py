@@ -13,8 +13,8 @@ because the prompt already ends in `</think>`):
 `｜DSML｜` is one token (U+FF5C bars); the tag names after it start with a space (the V4.1 spelling; V4 had
 `tool_calls`/`invoke`/`parameter` without it). string="true" marks a raw string value, string="false" a
 JSON value. This module owns the markup: `render_tool_calls` writes it (chat_encoding uses it for echoed
-assistant turns) and `parse_invoke` reads one complete invoke back; the stream parser
-(dsml.py) finds the blocks in model output.
+assistant turns), `parse_invoke` reads one complete invoke back and `parse_invoke_prefix` reads what an
+invoke cut off (by `max_tokens`) holds so far; the stream parser (dsml.py) finds the blocks in model output.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from flashtier.server.text.held_suffix import held_suffix
 
 __all__ = [
     "CALLS_CLOSE",
@@ -36,6 +38,7 @@ __all__ = [
     "WHITESPACE",
     "Invoke",
     "parse_invoke",
+    "parse_invoke_prefix",
     "render_tool_calls",
 ]
 
@@ -51,6 +54,7 @@ PARAM_CLOSE = f"</{DSML_TOKEN} parameter>"
 CALLS_SEPARATOR = "\n\n"
 
 _INVOKE_HEAD_RE = re.compile(rf'<{DSML_TOKEN} invoke\s+name="([^"\n]+)"\s*>')
+_INVOKE_NAME_RE = re.compile(rf'<{DSML_TOKEN} invoke\s+name="([^"\n]+)"\s*')  # the head up to its `>`
 _PARAM_HEAD_RE = re.compile(rf'<{DSML_TOKEN} parameter\s+name="([^"\n]+)"(?:\s+string="(true|false)")?\s*>')
 WHITESPACE = " \t\r\n"  # what may stand between the tags of a calls block
 
@@ -129,5 +133,67 @@ def parse_invoke(text: str) -> Invoke | None:
         # string="false" with a value that is not JSON (`True`, bare words) is kept as the string it is.
         members[key] = as_json if as_json is not None else json.dumps(raw, ensure_ascii=False)
         pos = end + len(PARAM_CLOSE)
-    arguments = "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in members.items()) + "}"
-    return Invoke(head.group(1), arguments)
+    return Invoke(head.group(1), _arguments_prefix(list(members.items())) + "}")
+
+
+def _arguments_prefix(members: list[tuple[str, str]]) -> str:
+    """`parse_invoke`'s arguments text for `members` (key, JSON value text), without the closing brace."""
+    return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in members)
+
+
+def parse_invoke_prefix(text: str) -> Invoke | None:
+    """What an invoke cut off before its `</｜DSML｜ invoke>` holds: its name and the arguments so far.
+
+    `text` starts with `<｜DSML｜ invoke` and is the whole rest of the output (the generation stopped there).
+    None while the name is not complete (its closing quote has not arrived) or when the head does not
+    parse. Otherwise `arguments` is the start of the JSON object text `parse_invoke` would give once the
+    invoke closed the way it is going: the complete parameters, then the current one's key and value so
+    far once its head is complete (a raw string value JSON-escaped without its closing quote; a JSON value
+    as written), never a closing brace, and never a piece of markup (a partial closing tag at the end is
+    left out). Parsing stops at the first thing that is neither a parameter nor the start of one (what
+    follows is not reported). Linear in `len(text)`; mutates nothing.
+    """
+    head = _INVOKE_NAME_RE.match(text)
+    if head is None:
+        return None
+    name = head.group(1)
+    if head.end() == len(text):
+        return Invoke(name, "{")
+    if text[head.end()] != ">":
+        return None  # not an invoke head after all: malformed
+    body = text[head.end() + 1 :]
+    members: list[tuple[str, str]] = []
+    keys: set[str] = set()
+    pos = 0
+    while True:
+        while pos < len(body) and body[pos] in WHITESPACE:
+            pos += 1
+        if pos == len(body):
+            return Invoke(name, _arguments_prefix(members))
+        param = _PARAM_HEAD_RE.match(body, pos)
+        if param is None:
+            rest = body[pos:]
+            if not members and rest.startswith("{"):  # a JSON object body, as parse_invoke accepts
+                rest = rest[: len(rest) - held_suffix(rest, (INVOKE_CLOSE,))]
+                return Invoke(name, rest.rstrip(WHITESPACE))
+            return Invoke(name, _arguments_prefix(members))  # a tag still arriving (or not parsing)
+        key, string_attr = param.group(1), param.group(2)
+        if key in keys:
+            return Invoke(name, _arguments_prefix(members))
+        keys.add(key)
+        end = body.find(PARAM_CLOSE, param.end())
+        if end >= 0:
+            raw = body[param.end() : end]
+            as_json = None if string_attr == "true" else _json_value(raw)
+            members.append((key, as_json if as_json is not None else json.dumps(raw, ensure_ascii=False)))
+            pos = end + len(PARAM_CLOSE)
+            continue
+        raw = body[param.end() :]
+        raw = raw[: len(raw) - held_suffix(raw, (PARAM_CLOSE,))]
+        if string_attr == "true":
+            value = json.dumps(raw, ensure_ascii=False)[:-1]  # the escaped text so far, still open
+        else:
+            value = raw.strip(WHITESPACE)
+        key_text = json.dumps(key, ensure_ascii=False)
+        head_text = _arguments_prefix(members) + (", " if members else "") + f"{key_text}: "
+        return Invoke(name, head_text + value)

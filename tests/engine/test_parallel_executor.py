@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from flashtier.engine.async_engine import EngineDeadError
+from flashtier.engine.client import EngineDeadError
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.factory import build_model

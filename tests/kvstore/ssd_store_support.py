@@ -1,4 +1,4 @@
-"""What the SSD tier tests share: 100 B records (44 B header + 56 B payload), key-derived payloads, a fake
+"""What the SSD tier tests share: 100 B records (60 B header + 40 B payload), key-derived payloads, a fake
 clock, the store factory fixture and byte flips behind the store's back."""
 
 import os
@@ -14,7 +14,7 @@ from flashtier.kvstore.ssd.store import SSDStore
 
 HOUR = 3600.0
 LIFETIME = 72 * HOUR
-P = 56  # payload bytes
+P = 100 - HEADER_BYTES  # payload bytes (40)
 REC = HEADER_BYTES + P  # 100 B per record
 T0 = 1_000_000.0
 

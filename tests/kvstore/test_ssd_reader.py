@@ -2,7 +2,7 @@
 and decode_record per key, what the reader did before runs), damage inside a coalesced run, truncated
 segment files, read errors, and get_many_into's argument checks.
 
-Records are 44 B headers with payloads of 1..400 B; segments hold 2,000 B."""
+Records are 60 B headers with payloads of 1..400 B; segments hold 2,000 B."""
 
 import errno
 import os
@@ -18,7 +18,7 @@ from flashtier.kvstore.ssd.record import HEADER_BYTES, RecordCorrupt, decode_rec
 
 from .ssd_store_support import clock, flip, key, open_store, payload  # noqa: F401 - clock and open_store are fixtures
 
-P = 56
+P = 100 - HEADER_BYTES  # as ssd_store_support.P
 REC = HEADER_BYTES + P
 SEG = 2000
 

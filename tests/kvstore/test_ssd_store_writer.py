@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from flashtier.kvstore.tenant import DEFAULT_TENANT_TAG
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.ssd.store import PutResult, SSDStore
 from flashtier.kvstore.ssd.writer import SSDWriter
@@ -66,10 +67,10 @@ class GatedStore:
         self.real_put, self.real_flush = store.put, store.flush
         store.put, store.flush = self.put, self.flush
 
-    def put(self, k, p):
+    def put(self, k, p, tenant=DEFAULT_TENANT_TAG):
         self.entered.set()
         self.gate.wait(10)
-        r = self.real_put(k, p)
+        r = self.real_put(k, p, tenant)
         self.log.append(("put", k))
         return r
 

@@ -367,13 +367,14 @@ def test_malformed_dsml_becomes_content(server):
     assert r.choices[0].message.content == text and r.choices[0].finish_reason == "stop"
 
 
-def test_length_inside_a_tool_call_is_length_with_raw_content(server):
+def test_length_inside_a_tool_call_is_length_without_markup(server):
+    # every cut point, on every API, is in test_api_tool_call_cut.py
     text = _calls_text(("get_weather", {"city": "A long city name"}))
     server.engine.script = server.script(text)
     r = server.openai().chat.completions.create(model=server.settings.model_name, messages=USER,
                                                 tools=WEATHER_TOOLS, max_tokens=8)
     assert r.choices[0].finish_reason == "length"
-    assert not r.choices[0].message.tool_calls
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content == ""  # the name is not complete
 
 
 def test_developer_and_tool_messages_are_accepted(server):

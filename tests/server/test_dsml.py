@@ -19,7 +19,7 @@ from flashtier.server.text.dsml_events import (
     collect_events,
     make_call_id,
 )
-from flashtier.server.text.dsml_markup import render_tool_calls
+from flashtier.server.text.dsml_markup import Invoke, parse_invoke_prefix, render_tool_calls
 
 EOS = "<｜end▁of▁sentence｜>"
 
@@ -37,12 +37,12 @@ SAMPLE = (
 )
 
 
-def events_of(text: str, chunks: list[str], thinking: bool = True, tools: bool = True) -> list:
+def events_of(text: str, chunks: list[str], thinking: bool = True, tools: bool = True, cut: bool = False) -> list:
     parser = DsmlStreamParser(thinking, tools, id_seed="t")
     events = []
     for chunk in chunks:
         events += parser.feed(chunk)
-    events += parser.finish()
+    events += parser.finish(cut=cut)
     assert "".join(chunks) == text
     return events
 
@@ -263,7 +263,7 @@ def test_json_body_invoke_is_accepted():
 MALFORMED = [
     # garbage where an invoke should be
     "\n\n<｜DSML｜ calls>\nI changed my mind.",
-    # unterminated invoke (e.g. max_tokens reached)
+    # unterminated invoke (the model ended its output inside it; max_tokens is a cut, below)
     '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="true">half',
     # duplicate parameter
     '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
@@ -332,3 +332,81 @@ def test_random_chunking_of_random_text_never_raises():
             assert collect_events(events) == parse_completion(text, thinking, True, id_seed="t")
             for call in collect_events(events).tool_calls:
                 assert isinstance(json.loads(call.arguments), dict)
+
+
+# ---- output cut off (max_tokens): no markup, a call with the arguments so far once its name is complete ----
+
+JSON_BODY_INVOKE = '\n<｜DSML｜ invoke name="g">\n{"x": [1, 2], "y": "z \\"q\\""}\n</｜DSML｜ invoke>'
+LEAD = "Let me check."
+CUT_TEXT = LEAD + "\n\n" + render_tool_calls(CALLS).replace("\n</｜DSML｜ calls>", JSON_BODY_INVOKE + "\n</｜DSML｜ calls>")
+NAMED_INVOKE = re.compile(r'<｜DSML｜ invoke name="[^"]+"')
+
+
+def test_cut_at_every_character_shows_no_markup_and_the_calls_so_far():
+    full = parse_completion(CUT_TEXT, False, True, id_seed="t").tool_calls
+    assert [c.name for c in full] == ["get_weather", "search", "noop", "write_file", "g"]
+    rng = random.Random(7)
+    last: tuple[int, int] = (0, 0)
+    for cut in range(len(CUT_TEXT) + 1):
+        prefix = CUT_TEXT[:cut]
+        parsed = parse_completion(prefix, False, True, id_seed="t", cut=True)
+        # streamed in two pieces, the events fold to the same answer
+        split = rng.randint(0, cut)
+        assert collect_events(events_of(prefix, chunked(prefix, [split]), thinking=False, cut=True)) == parsed
+        assert parsed.content == LEAD[:cut], cut  # "\n\n" and partial tags are never content
+        assert len(parsed.tool_calls) == len(NAMED_INVOKE.findall(prefix)), cut
+        for got, want in zip(parsed.tool_calls, full, strict=False):
+            assert (got.id, got.name) == (want.id, want.name), cut
+            assert "DSML" not in got.arguments and "<｜" not in got.arguments, cut
+            if got.complete:
+                assert got.arguments == want.arguments, cut
+            else:
+                assert want.arguments.startswith(got.arguments), cut
+        assert all(c.complete for c in parsed.tool_calls[:-1]), cut
+        progress = (len(parsed.tool_calls), len(parsed.tool_calls[-1].arguments) if parsed.tool_calls else 0)
+        assert progress >= last, cut  # the arguments only grow as the cut moves on
+        last = progress
+    assert parse_completion(CUT_TEXT, False, True, id_seed="t", cut=True).tool_calls == full
+
+
+def test_a_cut_call_has_no_end_event():
+    text = '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="true">ha'
+    parser = DsmlStreamParser(thinking=False, tools_enabled=True, id_seed="p")
+    assert parser.feed(text) == []
+    assert parser.finish(cut=True) == [ToolCallStart(0, make_call_id(0, "p"), "f"), ToolCallArgsDelta(0, '{"a": "ha')]
+    (call,) = collect_events([ToolCallStart(0, "call_x", "f"), ToolCallArgsDelta(0, '{"a": "ha')]).tool_calls
+    assert call == ToolCall("call_x", "f", '{"a": "ha', complete=False)
+
+
+def test_cut_drops_held_marker_starts_and_a_cut_calls_close():
+    parser = DsmlStreamParser(thinking=False, tools_enabled=True)
+    assert parser.feed("ends with\n\n<｜DS") == [ContentDelta("ends with")]
+    assert parser.finish(cut=True) == []
+    parser = DsmlStreamParser(thinking=True, tools_enabled=True)
+    assert parser.feed("cut </th") == [ReasoningDelta("cut ")]
+    assert parser.finish(cut=True) == []
+    # after a complete call, a cut inside </｜DSML｜ calls> adds nothing (it used to leak as content)
+    text = "\n\n" + render_tool_calls([("f", {})])
+    for cut in range(text.index("</｜DSML｜ invoke>") + len("</｜DSML｜ invoke>"), len(text) + 1):
+        parsed = parse_completion(text[:cut], False, True, cut=True)
+        assert parsed.content == "" and [(c.name, c.arguments, c.complete) for c in parsed.tool_calls] == [
+            ("f", "{}", True)], cut
+    # without tools, DSML is text and a cut keeps it
+    assert parse_completion("a\n\n<｜DSML｜ calls>", False, False, cut=True).content == "a\n\n<｜DSML｜ calls>"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("<｜DSML｜ invoke", None),
+    ('<｜DSML｜ invoke name="get_wea', None),
+    ('<｜DSML｜ invoke name="f" nonsense>', None),
+    ('<｜DSML｜ invoke name="f"', Invoke("f", "{")),
+    ('<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" str', Invoke("f", "{")),
+    ('<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="true">x "y"\n</｜DSML｜ par',
+     Invoke("f", '{"a": "x \\"y\\"\\n')),
+    ('<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="false">[1, ', Invoke("f", '{"a": [1,')),
+    ('<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="false">1</｜DSML｜ parameter>\n',
+     Invoke("f", '{"a": 1')),
+    ('<｜DSML｜ invoke name="f">\n{"x": [1, 2]}\n</｜DSML｜ in', Invoke("f", '{"x": [1, 2]}')),
+])
+def test_parse_invoke_prefix(text, expected):
+    assert parse_invoke_prefix(text) == expected

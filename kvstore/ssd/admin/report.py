@@ -5,8 +5,12 @@ The numbers use the store's own rules (ssd/store.py): a record is *live* when th
 cannot free), *expired* after. Dead bytes (superseded records), damaged ranges and torn tails are
 garbage that the store reclaims by deleting or compacting segments.
 
-Records carry no namespace (the header holds the chained block hash, ssd/record.py), so a report cannot
-split entries by model fingerprint or tenant; ``namespaces`` says so instead of guessing.
+Records carry the tag of the tenant (namespace) they were written under (ssd/record.py, kvstore/tenant.py):
+``namespaces`` splits records and live entries by tag (the default tenant, requests without a
+cache_salt, is labelled). Version-1 records (no tenant) are counted apart: never served, garbage.
+
+Only headers are read (the scan): a record whose payload is damaged is counted as a record here;
+``kv verify`` reads every payload and names it (``damaged_note`` says so in the output).
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flashtier.kvstore.ssd.admin.scan import TierScan
+from flashtier.kvstore.tenant import DEFAULT_TENANT_TAG
 
-__all__ = ["AgeBucket", "NAMESPACES_NOTE", "TierReport", "age_edges", "tier_report"]
+__all__ = ["AgeBucket", "DAMAGED_NOTE", "NamespaceUsage", "TierReport", "age_edges", "tier_report"]
 
-NAMESPACES_NOTE = ("not recorded: a record holds only its chained block hash, so entries cannot be split by "
-                   "model fingerprint or tenant")
+DAMAGED_NOTE = "headers only: damaged payloads are found by `flashtier kv verify`, which reads every record"
 _EDGES_S = (300.0, 3600.0, 6 * 3600.0, 24 * 3600.0, 48 * 3600.0)  # bucket edges below the lifetime
 
 
@@ -35,6 +39,18 @@ class AgeBucket:
     high_s: float | None
     entries: int
     bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceUsage:
+    """One tenant's records in the tier (``tag``: hex of its 16-byte tag, kvstore/tenant.py)."""
+
+    tag: str
+    default: bool  # the default tenant (requests without a cache_salt)
+    entries: int  # live records
+    live_bytes: int
+    records: int  # every record of the tenant, superseded ones included (all of them are deleted with it)
+    record_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +72,10 @@ class TierReport:
     oldest_age_s: float | None  # of a live record; None when empty
     newest_age_s: float | None
     ages: list[AgeBucket] = field(default_factory=list)
-    namespaces: str = NAMESPACES_NOTE
+    namespaces: list[NamespaceUsage] = field(default_factory=list)  # most bytes first
+    legacy_records: int = 0  # version-1 records (no tenant): never served, garbage
+    legacy_bytes: int = 0
+    damaged_note: str = DAMAGED_NOTE
 
     @property
     def used_fraction(self) -> float:
@@ -87,6 +106,17 @@ def tier_report(scan: TierScan, *, now: float, budget_bytes: int, lifetime_s: fl
     lows = [0.0, *edges]
     buckets = [AgeBucket(lows[i], edges[i] if i < len(edges) else None, n, b) for i, (n, b) in enumerate(counts)]
     record_bytes = sum(h.record_bytes for s in scan.segments for _, h in s.records)
+    per_ns: dict[bytes, list[int]] = {}
+    for seg in scan.segments:
+        for offset, h in seg.records:
+            row = per_ns.setdefault(h.tenant, [0, 0, 0, 0])
+            row[2] += 1
+            row[3] += h.record_bytes
+            if scan.is_live(seg.segment_id, offset, h):
+                row[0] += 1
+                row[1] += h.record_bytes
+    namespaces = sorted((NamespaceUsage(t.hex(), t == DEFAULT_TENANT_TAG, *row) for t, row in per_ns.items()),
+                        key=lambda n: (-n.record_bytes, n.tag))
     return TierReport(
         directory=str(scan.directory),
         segments=len(scan.segments),
@@ -103,4 +133,7 @@ def tier_report(scan: TierScan, *, now: float, budget_bytes: int, lifetime_s: fl
         oldest_age_s=max(ages) if ages else None,
         newest_age_s=min(ages) if ages else None,
         ages=buckets,
+        namespaces=namespaces,
+        legacy_records=sum(len(s.scan.legacy) for s in scan.segments),
+        legacy_bytes=sum(s.scan.legacy_bytes for s in scan.segments),
     )

@@ -35,10 +35,11 @@ def damaged_ranges(scan: SegmentScan) -> list[tuple[int, int]]:
     """
     out: list[tuple[int, int]] = []
     expected = 0
-    for offset, header in scan.records:
+    spans = sorted([(o, h.record_bytes) for o, h in scan.records] + list(scan.legacy))  # legacy: not damage
+    for offset, size in spans:
         if offset > expected:
             out.append((expected, offset))
-        expected = offset + header.record_bytes
+        expected = offset + size
     tail = scan.end - expected
     if tail > 0 and scan.torn_bytes != tail:
         out.append((expected, scan.end))
@@ -61,6 +62,11 @@ class ScannedSegment:
     @property
     def records(self) -> list[tuple[int, RecordHeader]]:
         return self.scan.records
+
+    @property
+    def unattributed_bytes(self) -> int:
+        """Bytes no tenant can be proven to own: version-1 records, damaged ranges, the torn tail."""
+        return self.scan.legacy_bytes + sum(e - s for s, e in self.damaged) + self.scan.torn_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,8 @@ class VerifyReport:
     bytes_checked: int = 0
     bad: list[BadRecord] = field(default_factory=list)
     torn: list[TornTail] = field(default_factory=list)
+    namespaces: dict[str, list[int]] = field(default_factory=dict)  # tenant tag hex -> [records checked, bad]
+    legacy_records: int = 0  # version-1 records (no tenant): skipped, never served; not damage
 
     @property
     def ok(self) -> bool:
@@ -76,6 +78,7 @@ def verify_tier(scan: TierScan) -> VerifyReport:
     for seg in scan.segments:
         for start, end in seg.damaged:
             report.bad.append(BadRecord(seg.segment_id, start, end - start, None, False, "damaged record header"))
+        report.legacy_records += len(seg.scan.legacy)
         if seg.scan.torn_bytes:
             report.torn.append(TornTail(seg.segment_id, seg.size - seg.scan.torn_bytes, seg.scan.torn_bytes))
         headers = dict(seg.records)
@@ -87,9 +90,12 @@ def verify_tier(scan: TierScan) -> VerifyReport:
                     header = headers[offset]
                     report.records += 1
                     report.bytes_checked += size
+                    counts = report.namespaces.setdefault(header.tenant.hex(), [0, 0])
+                    counts[0] += 1
                     try:
                         decode_record(memoryview(data)[offset - start : offset - start + size], header.key)
                     except RecordCorrupt as exc:
+                        counts[1] += 1
                         live = scan.is_live(seg.segment_id, offset, header)
                         report.bad.append(BadRecord(seg.segment_id, offset, size, header.key.hex(), live, str(exc)))
         finally:

@@ -48,6 +48,7 @@ class WipeResult:
     segments_rewritten: int = 0
     corrupt_dropped: int = 0  # kept records that failed their checks while being copied
     bytes_freed: int = 0  # segment file bytes before minus after
+    unattributed_removed: int = 0  # bytes of version-1 records, damaged ranges and torn tails dropped
 
 
 def _fsync_dir(dir_fd: int) -> None:
@@ -89,8 +90,13 @@ def _rewrite(seg: ScannedSegment, keep: list[tuple[int, RecordHeader]], new_id: 
     return written
 
 
-def wipe_tier(directory: str | os.PathLike[str], select: Select, *, dry_run: bool = False) -> WipeResult:
+def wipe_tier(directory: str | os.PathLike[str], select: Select, *, dry_run: bool = False,
+              drop_unattributed: bool = False) -> WipeResult:
     """Remove every record for which ``select(header)`` is true (see the module doc).
+
+    ``drop_unattributed`` (a tenant's wipe): a segment also counts as selected-from when it holds bytes no
+    tenant can be proven to own (version-1 records, damaged ranges, a torn tail): it is rewritten without
+    them, so none of the tenant's bytes can stay behind in them.
 
     Mutates the directory's segment files unless ``dry_run`` (then it only counts). Failure:
     ``TierInUse`` when a store holds the directory; ValueError when it is not a directory; OSError from
@@ -113,8 +119,9 @@ def wipe_tier(directory: str | os.PathLike[str], select: Select, *, dry_run: boo
                 chosen = [select(h) for _, h in seg.records]
                 keep = [rec for rec, c in zip(seg.records, chosen) if not c]
                 result.records_kept += len(keep)
-                if len(keep) == len(seg.records):
+                if len(keep) == len(seg.records) and not (drop_unattributed and seg.unattributed_bytes):
                     continue
+                result.unattributed_removed += seg.unattributed_bytes
                 result.records_removed += len(seg.records) - len(keep)
                 result.bytes_removed += sum(h.record_bytes for (_, h), c in zip(seg.records, chosen) if c)
                 size = sum(h.record_bytes for _, h in keep)
