@@ -3,4 +3,4 @@ seeded draws) and the logprob output.
 """
 
 # The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
-__all__ = ["filters", "output", "params", "penalties", "row", "sampler", "transfer"]
+__all__ = ["params", "processors", "row", "sampler"]

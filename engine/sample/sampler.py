@@ -19,7 +19,7 @@ Order of operations for each row (vLLM v1's order, except where noted):
    by the penalty, negative ones multiplied), frequency (generated tokens: minus
    ``count * penalty``), presence (generated tokens: minus ``penalty`` once).
 3b. Grammar mask: when the caller passes a token bitmask (structured output), tokens a row's
-   grammar does not allow get ``-inf`` (``sampler_grammar``), so every later step, greedy
+   grammar does not allow get ``-inf`` (``apply_token_bitmask`` below), so every later step, greedy
    included, only sees allowed tokens. Logprobs stay the raw ones of step 1.
 4. Greedy rows (``temperature < GREEDY_TEMPERATURE_EPS``) take the argmax of the penalised
    logits and skip everything below. They draw no random numbers.
@@ -42,35 +42,32 @@ Batch invariance: every operation above is row-local. A seeded row's token there
 only on its own logits, params, history and generator state, not on its batch neighbours or
 its position in the batch (the tests check this).
 
-Where each step lives: ``sampler_row`` (``SamplerRow``, ``generator_for``), ``sampler_output``
-(``SamplerOutput`` and the step-1 logprob fields), ``sampler_penalties`` (steps 2-3),
-``sampler_filters`` (steps 6-8), ``sampler_race`` (step 9) and ``sampler_transfer`` (host-to-device
-copies of per-row settings and histories). This module runs them in order.
+Where each step lives: ``row`` (``SamplerRow``, ``generator_for``, host-to-device copies of per-row
+settings and histories), ``processors`` (steps 2-3 and 6-8); this module holds the rest (``SamplerOutput``
+and the step-1 logprob fields, the grammar mask of step 3b, the exponential race of step 9) and runs them
+in order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from flashtier.engine.sample.filters import apply_min_p, apply_top_k_top_p
-from flashtier.engine.sample.grammar import apply_token_bitmask
-from flashtier.engine.sample.output import SamplerOutput, with_logprobs
-from flashtier.engine.sample.penalties import apply_min_tokens, apply_penalties
-from flashtier.engine.sample.race import exponential_race
-from flashtier.engine.sample.row import SamplerRow, generator_for
-from flashtier.engine.sample.transfer import to_device
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.sample.processors import (
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+    apply_top_k_top_p,
+)
+from flashtier.engine.sample.row import SamplerRow, generator_for, to_device
 
 __all__ = [
-    "Sampler",
-    "SamplerOutput",
-    "SamplerRow",
-    "apply_min_p",
-    "apply_min_tokens",
-    "apply_penalties",
-    "apply_top_k_top_p",
-    "generator_for",
+    "Sampler", "SamplerOutput", "SamplerRow", "allowed_tokens", "apply_min_p", "apply_min_tokens",
+    "apply_penalties", "apply_token_bitmask", "apply_top_k_top_p", "exponential_race", "generator_for",
+    "with_logprobs",
 ]
 
 
@@ -159,3 +156,83 @@ class Sampler:
         if greedy_ids is not None:
             token_ids = torch.where(per_row(greedy, torch.bool), greedy_ids, token_ids)
         return token_ids
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """A sampling step's result. Every tensor is on the logits' device and nothing is synced to the host.
+
+    ``token_ids`` ``[B]`` int64: the sampled token of each row.
+
+    The logprob fields are ``None`` unless some row has ``params.logprobs is not None``. When
+    present they are computed for every row, but only rows that asked are meaningful. All values
+    are raw-model logprobs (``flashtier.engine.sample.sampler`` docstring, step 1):
+
+    ``logprobs`` ``[B]`` float32: logprob of the sampled token.
+    ``ranks`` ``[B]`` int64: 1 + the number of tokens with a strictly higher logprob (vLLM's rank).
+    ``top_logprob_ids`` / ``top_logprobs`` ``[B, K]``, with K the largest ``params.logprobs`` in
+    the batch, are sorted by descending logprob. Row i's valid entries are its first
+    ``rows[i].params.logprobs`` columns.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def with_logprobs(
+    token_ids: torch.Tensor, raw_logprobs: torch.Tensor, params: Sequence[SamplingParams]
+) -> SamplerOutput:
+    """``token_ids`` ``[B]`` with their logprob, rank and the top-K alternatives from ``raw_logprobs`` ``[B, V]``.
+
+    K is the largest ``params[i].logprobs`` of the batch.
+    """
+    chosen = raw_logprobs.gather(1, token_ids[:, None])
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+    k = max(p.logprobs or 0 for p in params)
+    top_vals, top_ids = raw_logprobs.topk(k, dim=-1, sorted=True)
+    return SamplerOutput(
+        token_ids=token_ids,
+        logprobs=chosen.squeeze(1),
+        ranks=ranks,
+        top_logprob_ids=top_ids,
+        top_logprobs=top_vals,
+    )
+
+
+def exponential_race(
+    probs: torch.Tensor, rows: Sequence[SamplerRow], sampled: Sequence[bool]
+) -> torch.Tensor:
+    """``argmax(probs / E)`` per row, ``E ~ Exp(1)``. This draws a token from ``probs`` without a host sync.
+
+    Rows with a generator draw their ``V`` exponentials from it. The other sampled rows share one
+    draw from the default generator. Rows with ``sampled[i] == False`` draw nothing, and their
+    result is meaningless.
+    """
+    noise = torch.empty_like(probs)
+    if any(s and row.generator is None for row, s in zip(rows, sampled)):
+        noise.exponential_()
+    for i, (row, s) in enumerate(zip(rows, sampled)):
+        if s and row.generator is not None:
+            noise[i].exponential_(generator=row.generator)
+    # Exp(1) can round to 0; 0/0 would give NaN, which argmax ranks above every number.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` bool: which tokens the packed ``bitmask`` allows."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Mutates ``x`` ``[B, V]``: disallowed tokens -> ``-inf``. ``bitmask`` may live on the host."""
+    B, V = x.shape
+    if bitmask.shape[0] != B or bitmask.shape[1] * 32 < V:
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(x.shape)}")
+    allowed = allowed_tokens(bitmask.to(x.device, non_blocking=True), V)
+    x.masked_fill_(~allowed, float("-inf"))

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
-from flashtier.engine.sample.filters import apply_min_p, apply_top_k_top_p
-from flashtier.engine.sample.penalties import apply_min_tokens, apply_penalties
+from flashtier.engine.sample.processors import apply_min_p, apply_top_k_top_p
+from flashtier.engine.sample.processors import apply_min_tokens, apply_penalties
 from flashtier.engine.sample.row import SamplerRow
-from flashtier.engine.sample.transfer import to_device
+from flashtier.engine.sample.row import to_device
 
 
 def target_rows(logits: torch.Tensor, rows: Sequence[SamplerRow],

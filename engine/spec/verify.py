@@ -21,7 +21,7 @@ from flashtier.engine.kv.manager import KVManager
 from flashtier.engine.core.outputs import TokenLogprob
 from flashtier.engine.core.request import Request, Sequence
 from flashtier.engine.runner.runner import ModelRunnerOutput
-from flashtier.engine.sample.output import with_logprobs
+from flashtier.engine.sample.sampler import with_logprobs
 from flashtier.engine.sample.row import SamplerRow
 from flashtier.engine.core.scheduler_output import DecoderKind, DecoderWork, SchedulerOutput
 from flashtier.engine.kv.rollback import keep_point, rollback

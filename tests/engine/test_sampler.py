@@ -13,8 +13,8 @@ import torch
 
 from flashtier.engine.sample import sampler as sampler_module
 from flashtier.engine.sample.sampler import Sampler
-from flashtier.engine.sample.filters import apply_min_p
-from flashtier.engine.sample.penalties import apply_penalties
+from flashtier.engine.sample.processors import apply_min_p
+from flashtier.engine.sample.processors import apply_penalties
 from flashtier.engine.sample.row import SamplerRow, generator_for
 from flashtier.engine.sample.params import SamplingParams
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashtier.engine.sample.sampler import Sampler
-from flashtier.engine.sample.filters import apply_min_p, apply_top_k_top_p
+from flashtier.engine.sample.processors import apply_min_p, apply_top_k_top_p
 from flashtier.engine.sample.row import SamplerRow, generator_for
 from flashtier.engine.sample.params import SamplingParams
 

@@ -15,7 +15,7 @@ import torch
 from flashtier.engine.grammar.compiler import ConstraintError, GrammarCompiler
 from flashtier.engine.grammar.constraint import ConstraintKind, ConstraintSpec, GrammarState, OutputConstraint
 from flashtier.engine.sample.sampler import Sampler, SamplerRow
-from flashtier.engine.sample.grammar import allowed_tokens, apply_token_bitmask
+from flashtier.engine.sample.sampler import allowed_tokens, apply_token_bitmask
 from flashtier.engine.sample.params import SamplingParams
 from flashtier.server.grammar.service import grammar_vocab
 from flashtier.server.text.tokenizer import Tokenizer

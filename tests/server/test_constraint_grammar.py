@@ -14,7 +14,7 @@ import torch
 from flashtier.engine.grammar.compiler import GrammarCompiler
 from flashtier.engine.grammar.mask import grammar_bitmask
 from flashtier.engine.grammar.constraint import GrammarState
-from flashtier.engine.sample.grammar import allowed_tokens
+from flashtier.engine.sample.sampler import allowed_tokens
 from flashtier.server.grammar.constraints import chat_constraint
 from flashtier.server.text.dsml import DsmlStreamParser
 from flashtier.server.text.dsml_events import CompletionBuilder
