@@ -52,7 +52,8 @@ def evidence(usage: dict, delta: dict[str, float]) -> dict:
     return {"prompt_tokens": usage.get("prompt_tokens"),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
             "hbm": tiers.get("hbm"), "ssd": tiers.get("ssd"), "snapshot": tiers.get("snapshot"),
-            "replayed_tokens": ft.get("replayed_tokens"), "computed_tokens": ft.get("computed_tokens"),
+            "decoder_tokens": ft.get("decoder_tokens"), "computed_tokens": ft.get("computed_tokens"),
+            "approximate_replay_tokens": ft.get("approximate_replay_tokens"),
             "resume": ft.get("resume"),
             "ssd_blocks_loaded": delta.get("flashtier_ssd_blocks_loaded_total"),
             "snapshot_lookup_hits": delta.get("flashtier_snapshot_lookup_hit_total", 0.0),
@@ -74,8 +75,9 @@ def problems(turn: str, ev: dict) -> list[str]:
         out.append(f"no SSD restore (ssd tokens {ev.get('ssd')}, blocks loaded {ev.get('ssd_blocks_loaded')})")
     if turn == "hit" and not ev.get("snapshot_lookup_hits"):
         out.append("no snapshot lookup hit")
-    if turn == "miss" and (ev.get("snapshot_lookup_hits") or not ev.get("replayed_tokens")):
-        out.append(f"snapshot hits {ev.get('snapshot_lookup_hits')}, replayed {ev.get('replayed_tokens')}")
+    if turn == "miss" and (ev.get("snapshot_lookup_hits") or not ev.get("approximate_replay_tokens")):
+        out.append(f"snapshot hits {ev.get('snapshot_lookup_hits')}, "
+                   f"approximate replay {ev.get('approximate_replay_tokens')}")
     return out
 
 

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 "turn": turn, "prompt_tokens": usage.get("prompt_tokens"),
                 "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens"),
                 "hbm": tiers.get("hbm"), "ssd": tiers.get("ssd"), "snapshot": tiers.get("snapshot"),
-                "replayed": ft.get("replayed_tokens"), "ttft_s": ttft, "ttft_cold_s": ttft_cold,
+                "approximate_replay": ft.get("approximate_replay_tokens"), "ttft_s": ttft, "ttft_cold_s": ttft_cold,
                 "ttft_ratio": ttft / ttft_cold if ttft_cold else None,
                 "ssd_bytes": ssd_bytes, "v4_baseline_bytes": baseline,
                 "bytes_ratio": ssd_bytes / baseline if baseline else None,

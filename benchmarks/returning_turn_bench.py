@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in out["turns"].items():
         print(f"{name:>5} {r['ttft_s']:>9.3f} {out.get(name + '_over_cold')!s:>7} "
               f"{(r['resume'] or {}).get('kind')!s:>7} {r['hbm']!s:>6} {r['ssd']!s:>7} {r['snapshot']!s:>5} "
-              f"{r['replayed_tokens']!s:>6} {r['restore_GBps']!s:>7}  {'; '.join(r['problems']) or 'none'}")
+              f"{r['approximate_replay_tokens']!s:>6} {r['restore_GBps']!s:>7}  {'; '.join(r['problems']) or 'none'}")
     print("ceilings:", json.dumps(out["ceilings"]), "| skipped:", out["skipped"] or "none", f"| {out['wall_s']} s")
     for stage, err in out["errors"].items():
         print(f"{stage} failed:\n{err}", file=sys.stderr)

@@ -3,6 +3,7 @@
     asyncio side (server)                         engine thread
     generate() --AddCommand(future)--> commands --> add_request (errors go back through the future)
     abort()    --AbortCommand--------> commands --> abort
+    delete_tenant() --DeleteTenantCommand(future)--> drop_tenant (prefix index); then the tiers on a worker
     queue.get() <-- call_soon_threadsafe ------- step() outputs, one wake-up per loop and step (OutputHandoff)
 The engine object is touched only by the engine thread. ``stats()`` reads counters without a lock
 (a slightly stale snapshot is fine for metrics). The engine thread sleeps on one event while there is
@@ -29,11 +30,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from flashtier.engine.client import EngineDeadError, drain_outputs
+from flashtier.engine.client import EngineDeadError, TenantDeletionReport, drain_outputs
 from flashtier.engine.engine import Engine
 from flashtier.engine.output_handoff import OutputHandoff
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.tiers.manager import TierDeletion
+from flashtier.kvstore.ssd.tenant_delete import TenantDeletion
+from flashtier.kvstore.tenant import tenant_tag
 
 log = logging.getLogger("flashtier.engine")
 
@@ -55,7 +59,16 @@ class AbortCommand:
     request_id: str
 
 
-Command = AddCommand | AbortCommand
+@dataclass(frozen=True)
+class DeleteTenantCommand:
+    """Drop a tenant's cached blocks from the prefix index (``Engine.drop_tenant``) between two steps."""
+
+    tenant: str | None
+    loop: asyncio.AbstractEventLoop  # the caller's loop: ``done`` is settled there
+    done: asyncio.Future  # (TenantDrop, namespaces), or the exception
+
+
+Command = AddCommand | AbortCommand | DeleteTenantCommand
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,33 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    async def delete_tenant(self, tenant: str | None) -> TenantDeletionReport:
+        """See ``EngineClient.delete_tenant``. The prefix-index part runs on the engine thread between two
+        steps (``DeleteTenantCommand``: the engine's state has one owner); the SSD rewrite and the snapshot
+        pool's deletion then run on a worker thread (``TierManager.delete_tenant``), so neither the event
+        loop nor the engine thread waits on file or Redis I/O. The event loop does O(1) work.
+        Failure: EngineDeadError when the engine loop has stopped; the tiers' errors are raised."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped")
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send(DeleteTenantCommand(tenant, loop, done))
+        dropped, namespaces = await done
+        tiers = self.engine.tiers
+        deleted = TierDeletion()
+        if tiers is not None:
+            deleted = await loop.run_in_executor(None, tiers.delete_tenant, tenant_tag(tenant), namespaces)
+        ssd = deleted.ssd or TenantDeletion()
+        return TenantDeletionReport(
+            tenant_tag=tenant_tag(tenant).hex(), hbm_free_blocks=dropped.free_blocks,
+            hbm_in_use_blocks=dropped.in_use_blocks, ssd_queued_discarded=deleted.queued_discarded,
+            ssd_records_deleted=ssd.records_deleted, ssd_live_deleted=ssd.live_deleted,
+            ssd_bytes_deleted=ssd.bytes_deleted, ssd_unattributed_bytes=ssd.unattributed_bytes,
+            ssd_segments_rewritten=ssd.segments_rewritten, ssd_records_kept=ssd.records_kept,
+            snapshot_namespaces=len(namespaces) if tiers is not None else 0,
+            snapshots_deleted=deleted.snapshots_deleted, seconds=time.monotonic() - started)
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop accepting; let in-flight requests finish for up to ``timeout`` s, abort the rest, stop."""
         self._accepting = False
@@ -152,6 +192,14 @@ class AsyncEngine:
     def _apply(self, command: Command) -> None:
         if isinstance(command, AbortCommand):
             self.engine.abort(command.request_id)
+            return
+        if isinstance(command, DeleteTenantCommand):
+            try:
+                result = self.engine.drop_tenant(command.tenant)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller (a 500 there, the engine goes on)
+                command.loop.call_soon_threadsafe(_settle, command.done, exc)
+            else:
+                command.loop.call_soon_threadsafe(_settle_value, command.done, result)
             return
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
@@ -208,6 +256,11 @@ class AsyncEngine:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
+
+
+def _settle_value(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:

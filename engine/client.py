@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
@@ -53,6 +54,39 @@ class EngineClient(Protocol):
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop accepting, finish or abort in-flight requests within ``timeout``, stop the loop."""
         ...
+
+    async def delete_tenant(self, tenant: str | None) -> TenantDeletionReport:
+        """Delete tenant ``tenant`` (kvstore/tenant.py: a shared-mode cache_salt, a key's tenant hex, None
+        for the default tenant) from the HBM prefix cache, the SSD tier and the snapshot pool.
+
+        Requests running meanwhile finish normally. ``TenantDeletionUnsupported`` where the engine cannot
+        (the server answers 501); ``EngineDeadError`` when the engine loop is gone; OSError / the snapshot
+        pool's error when a tier failed (what was deleted before stays deleted; a retry finishes).
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class TenantDeletionReport:
+    """What ``EngineClient.delete_tenant`` removed, per tier (the admin route answers it as JSON)."""
+
+    tenant_tag: str  # hex of the tenant's 16-byte tag (kvstore/tenant.py)
+    hbm_free_blocks: int  # cached free blocks dropped from the prefix index
+    hbm_in_use_blocks: int  # blocks running requests hold: unhashed now, free space once they finish
+    ssd_queued_discarded: int  # write-through blocks dropped from the writer's queue
+    ssd_records_deleted: int  # records of the tenant removed from the segment files (live and superseded)
+    ssd_live_deleted: int  # of which the index served
+    ssd_bytes_deleted: int
+    ssd_unattributed_bytes: int  # bytes no tenant can be proven to own, dropped with them
+    ssd_segments_rewritten: int
+    ssd_records_kept: int  # other tenants' records copied out of rewritten segments
+    snapshot_namespaces: int  # namespace roots searched in the snapshot pool
+    snapshots_deleted: int
+    seconds: float
+
+
+class TenantDeletionUnsupported(RuntimeError):
+    """This engine cannot delete a tenant while running (the server answers 501)."""
 
 
 class QueueFullError(RuntimeError):

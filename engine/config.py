@@ -33,6 +33,10 @@ class EngineConfig:
     # replay the decoder part of plain decode steps from CUDA graphs (batched forward on CUDA only); False is
     # vLLM's --enforce-eager
     cuda_graphs: bool = True
+    # decode batch sizes captured as graphs (and warmed up); () = runner/decode_graphs.CAPTURE_SIZES
+    cuda_graph_sizes: tuple[int, ...] = ()
+    # build_async_engine runs Engine.warm_up() before serving: kernels compiled, graphs captured
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float64"):

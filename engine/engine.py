@@ -42,8 +42,10 @@ from flashtier.engine.spec.stats import SpecStats
 from flashtier.engine.spec.verify import SpecVerifier
 from flashtier.engine.tiers.client import TierClient
 from flashtier.engine.tiers.manager import TierManager
-from flashtier.kvstore.block_hash import namespace_hash
-from flashtier.kvstore.block_pool import BlockPool
+from flashtier.engine.tenant_registry import TenantNamespaces
+from flashtier.kvstore.block_hash import BlockHash, namespace_hash
+from flashtier.kvstore.block_pool import BlockPool, TenantDrop
+from flashtier.kvstore.tenant import tenant_tag
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.layout import BlockLayout
 
@@ -89,6 +91,7 @@ class Engine:
             model, self.layout.block_size,
             f"{self.config.dtype}|seed{self.config.weights_seed}|{self.config.model_dir}{policy}",
         )
+        self.tenant_namespaces = TenantNamespaces()  # snapshot namespaces per tenant (tenant_registry.py)
         allow_replay = self.config.resume_policy == "replay"
         depth = self.config.speculative_tokens
         if depth > cfg.dspark_block_size:
@@ -105,7 +108,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, PagedRunner(
             model, self.kvm, graphs=self.config.cuda_graphs and dev.type == "cuda" and not depth and DecodeGraphs.supported(model),
-            max_graph_rows=self.config.max_num_seqs) if batched else None,
+            max_graph_rows=self.config.max_num_seqs, graph_sizes=self.config.cuda_graph_sizes) if batched else None,
                                   taps=cfg.dspark_target_layer_ids if depth else ())
         self.postprocessor = Postprocessor(
             self.scheduler, Sampler(eos_token_id=cfg.eos_token_id), eos_token_id=cfg.eos_token_id,
@@ -151,7 +154,20 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
                       namespace=namespace_hash(self.fingerprint, cache_salt))
         self.scheduler.add(req)
+        self.tenant_namespaces.record(cache_salt, req.namespace)
         self.prompt_tokens += len(prompt_token_ids)
+
+    def drop_tenant(self, tenant: str | None) -> tuple[TenantDrop, frozenset[BlockHash]]:
+        """The engine thread's part of deleting ``tenant`` (kvstore/tenant.py): its cached blocks leave the
+        HBM prefix index (``BlockPool.drop_tenant``: blocks running requests hold stay theirs, unhashed, and
+        become free space when freed; no byte a request reads changes), and the snapshot namespaces it
+        owns (tenant_registry.py) are returned for the tier deletion, which runs off this thread
+        (``TierManager.delete_tenant``). Mutates the prefix index and forgets the tenant's recorded
+        namespaces. Engine thread only; O(cached blocks). Never fails."""
+        dropped = self.kvm.drop_tenant(tenant_tag(tenant))
+        namespaces = self.tenant_namespaces.namespaces(self.fingerprint, tenant)
+        self.tenant_namespaces.forget(tenant)
+        return dropped, namespaces
 
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; its final output (finish_reason "abort") comes next step."""

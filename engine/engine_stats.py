@@ -61,6 +61,7 @@ def tier_stats(tiers: TierManager | None) -> dict[str, float]:
         "ssd_blocks_written": t.ssd_blocks_written, "ssd_bytes_written": t.ssd_bytes_written,
         "ssd_write_refused": t.ssd_write_refused, "ssd_blocks_loaded": t.ssd_blocks_loaded,
         "snapshot_puts": t.snapshot_puts, "snapshot_bytes_written": t.snapshot_bytes_written,
+        "snapshot_restored": t.snapshot_restored, "snapshot_restore_corrupt": t.snapshot_restore_corrupt,
     }  # fmt: skip
     for outcome, n in t.snapshot_lookups.items():
         out[f"snapshot_lookup_{outcome.value}"] = n

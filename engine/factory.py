@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
+from flashtier.engine.warmup import warm_up
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import load_model_in_formats, place_in_formats_
 from flashtier.engine.model.engram import Engram
@@ -76,6 +79,13 @@ def build_async_engine(
     token_map: torch.Tensor | None = None,
     *,
     tiers: bool = False,
+    phase: Callable[[str], None] | None = None,
 ) -> AsyncEngine:
-    """A started ``AsyncEngine`` (implements ``EngineClient``)."""
-    return AsyncEngine(build_engine(config, kv_config, token_map, tiers=tiers)).start()
+    """A started ``AsyncEngine`` (implements ``EngineClient``). With ``config.warmup`` the engine runs its
+    warm-up first (engine/warmup.py), reported as the phase ``"warming up"`` through ``phase``."""
+    engine = build_engine(config, kv_config, token_map, tiers=tiers)
+    if config.warmup:
+        if phase is not None:
+            phase("warming up")
+        warm_up(engine)
+    return AsyncEngine(engine).start()

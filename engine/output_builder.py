@@ -20,7 +20,8 @@ def build_output(req: Request) -> RequestOutput:
             choices.append(ChoiceDelta(seq.index, new, lps, reason, seq.stop_token_id))
     cache = CacheUsage(
         cached_tokens=req.cached_tokens, hbm_tokens=req.hbm_tokens, ssd_tokens=req.ssd_tokens,
-        snapshot_tokens=req.snapshot_tokens, replayed_tokens=req.replayed_tokens,
+        snapshot_tokens=req.snapshot_tokens, decoder_tokens=req.decoder_tokens,
+        approximate_replay_tokens=req.approximate_replay_tokens,
         computed_tokens=req.computed_tokens, persisted_bytes=req.persisted.value,
     )
     times = RequestTimes(req.arrival, req.first_scheduled, req.first_token, req.finished_at)

@@ -50,5 +50,5 @@ def swap_in(kvm: KVManager, seq: Sequence) -> None:
     seq.kv.table.replace([b.block_id for b in blocks])
     seq.kv.restore_private_state(st.private)
     for b, h in zip(blocks, seq.hashes):
-        kvm.pool.cache_full_block(b, h)
+        kvm.pool.cache_full_block(b, h, seq.tenant)
     seq.swapped = None

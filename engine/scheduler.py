@@ -44,6 +44,7 @@ from flashtier.engine.core.scheduler_output import DecoderKind, DecoderWork, Enc
 from flashtier.engine.spec.schedule import SpecPolicy
 from flashtier.engine.tiers.client import TierClient
 from flashtier.kvstore.block_hash import fork_chain, hash_blocks
+from flashtier.kvstore.tenant import tag_of_salt
 
 S = RequestStatus
 
@@ -140,7 +141,7 @@ class Scheduler:
             gen = torch.Generator(device=self.kvm.spec.device).manual_seed(req.params.seed + index)
         constraint = req.params.constraint
         grammar = GrammarState(constraint) if constraint is not None else None
-        return Sequence(index, self.kvm.new_kv(), gen, grammar=grammar)
+        return Sequence(index, self.kvm.new_kv(), gen, grammar=grammar, tenant=tag_of_salt(req.cache_salt))
 
     def start_decode(self, req: Request) -> None:
         """REPLAY -> DECODE once the replay produced the first logits; n > 1 forks the prompt's sequence.
@@ -217,7 +218,8 @@ class Scheduler:
         seq.kv.rewind(req.prompt, r)
         req.prefilled = r - self.window
         req.cached_tokens = r
-        req.replayed_tokens += self.window
+        if seq.kv.replayed_from is not None:  # from R = window the re-fed tokens are a plain (exact) recompute
+            req.approximate_replay_tokens += self.window
         self.stats.prefix_hits_tokens += r
 
     def _resume(self, req: Request) -> bool:
@@ -290,7 +292,7 @@ class Scheduler:
             budget = self._schedule_prompt(req, budget, out)
         out.num_tokens = self.token_budget - budget
         now = time.monotonic()
-        for w in out.encoder:
+        for w in (*out.encoder, *out.decoder):  # a resume at P = n starts with its decoder replay
             if w.request.first_scheduled is None:
                 w.request.first_scheduled = now
         return out
@@ -326,6 +328,11 @@ class Scheduler:
         return budget
 
     def _schedule_prefill(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        if req.prefilled == len(req.prompt):
+            # resumed at P = n (the same prompt again: its prompt-end snapshot): no encoder token to feed, the
+            # decoder replay reads the snapshot's replay tail
+            transition(req, S.REPLAY)
+            return self._schedule_replay(req, budget, out)
         if budget <= 0:
             return budget
         seq = req.seqs[0]
@@ -347,7 +354,7 @@ class Scheduler:
         if need > budget and not out.empty:
             return budget  # next step (a replay longer than the whole budget runs alone)
         out.decoder.append(DecoderWork(req, req.seqs[0], DecoderKind.REPLAY))
-        req.replayed_tokens += need
+        req.decoder_tokens += need
         return budget - need
 
     # ---- preemption -------------------------------------------------------------------------------

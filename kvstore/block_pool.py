@@ -38,6 +38,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0  # requests currently using the block
     block_hash: BlockHash | None = None  # set while the block is registered in the hash index
+    tenant: bytes | None = None  # tag of the tenant it was cached for (kvstore/tenant.py); None: unknown / uncached
     prev_free: KVBlock | None = field(default=None, repr=False)  # free-queue links (None: not queued)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -53,6 +54,15 @@ class PoolStats:
     queries: int = 0  # block hashes looked up by match_prefix(count=True)
     hits: int = 0  # of which matched (leading run only)
     evictions: int = 0  # cached blocks whose hash was dropped (reuse by allocate, or evict_cached)
+    tenant_drops: int = 0  # cached blocks dropped by drop_tenant (not counted as evictions)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantDrop:
+    """What one ``BlockPool.drop_tenant`` removed from the hash index."""
+
+    free_blocks: int  # cached free blocks: now plain free space
+    in_use_blocks: int  # blocks running requests hold: unhashed now, plain free space once freed
 
 
 class BlockPool:
@@ -159,8 +169,11 @@ class BlockPool:
                 self._free.append(block)
 
     # ---- prefix cache ------------------------------------------------------------------------------
-    def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, tenant: bytes | None = None) -> bool:
         """Register an in-use, completely written block under ``block_hash``; True if it is now indexed.
+
+        ``tenant``: the tag of the tenant whose request computed it (kvstore/tenant.py), recorded on the block
+        while it is indexed so ``drop_tenant`` finds it; None (unknown) is never dropped by tenant.
 
         A hash already indexed keeps its existing block: this block stays unhashed, a private duplicate
         that is recycled like plain free space once freed (block tables are append-only, so the caller
@@ -180,6 +193,7 @@ class BlockPool:
         if not self.enable_caching or block_hash in self._index:
             return False
         block.block_hash = block_hash
+        block.tenant = tenant
         self._index[block_hash] = block
         return True
 
@@ -235,8 +249,36 @@ class BlockPool:
             return False
         for block in self._index.values():
             block.block_hash = None
+            block.tenant = None
         self._index.clear()
         return True
+
+    def drop_tenant(self, tenant: bytes) -> TenantDrop:
+        """Drop every indexed block cached for ``tenant`` (its tag) from the hash index: no later lookup hits it.
+
+        A cached free block becomes plain free space where it is in the free queue (its bytes are overwritten
+        when it is next allocated). A block in use keeps its ref count, its bytes and its place in the
+        requests' block tables; only its hash goes, so it is a private block of those requests (as a
+        duplicate is, see ``cache_full_block``) and plain free space once they free it. Nothing a running
+        request reads changes. Not counted as evictions (``stats.tenant_drops``).
+
+        Mutates: the hash index, the blocks' ``block_hash`` / ``tenant``. Caller: the pool's owner (the
+        engine thread). Cost: one pass over the index, O(cached blocks). Never fails for a valid tag;
+        ValueError for a tag that is not bytes.
+        """
+        if not isinstance(tenant, bytes):
+            raise ValueError(f"a tenant tag is bytes, got {type(tenant).__name__}")
+        free = in_use = 0
+        for block in [b for b in self._index.values() if b.tenant == tenant]:
+            del self._index[block.block_hash]
+            block.block_hash = None
+            block.tenant = None
+            if block.ref_cnt:
+                in_use += 1
+            else:
+                free += 1
+        self.stats.tenant_drops += free + in_use
+        return TenantDrop(free, in_use)
 
     def free_block_ids(self) -> list[int]:
         """Free-queue ids, next to be allocated first (O(num_free); for tests and debugging)."""
@@ -249,6 +291,7 @@ class BlockPool:
         assert self._index.get(block.block_hash) is block, f"block {block.block_id} hash not indexed to itself"
         del self._index[block.block_hash]
         block.block_hash = None
+        block.tenant = None
         self.stats.evictions += 1
 
     def _owns(self, block: KVBlock) -> bool:
@@ -306,6 +349,9 @@ class BlockPool:
                     f"hash index maps {h!r} to block {block.block_id}, which carries {block.block_hash!r}"
                 )
         hashed = [b for b in self.blocks if b.block_hash is not None]
+        for block in self.blocks:
+            if block.block_hash is None and block.tenant is not None:
+                raise RuntimeError(f"block {block.block_id} is not cached but carries a tenant tag")
         for block in hashed:
             if self._index.get(block.block_hash) is not block:
                 raise RuntimeError(

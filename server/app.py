@@ -4,14 +4,16 @@
                                                                                             ─▶ EngineClient
 
 RequestId echoes a client's X-Request-Id (request_id.py); CORS is Starlette's, only with
---allowed-origins; APIKey guards /v1/*, /tokenize and /detokenize (auth.py); RequestBody applies
+--allowed-origins; APIKey guards /v1/*, /tokenize and /detokenize (auth.py); /admin/v1/* checks its own
+--admin-api-key (routes_admin.py); RequestBody applies
 --max-tokenize-bytes to /tokenize and /detokenize and --max-request-bytes to every other route.
 Large bodies are checked for UTF-8 on the frontend pool, parsed and validated there (pooled_route.py),
 and once such a request is answered the pool hands the freed heap back to the system (frontend_pool.py).
 
-The lifespan builds the engine client with the factory (a plain or async callable taking the
-settings; the CLI passes one that builds the ``AsyncEngine``, tests a test double), and at shutdown
-calls ``engine_client.shutdown(drain_timeout)``. uvicorn's graceful shutdown runs first: on SIGTERM
+The lifespan starts building the engine client with the factory (a plain or async callable taking the
+settings; the CLI passes one that builds the ``AsyncEngine``, tests a test double) and yields at once: the
+port opens while the model loads, /metrics is served throughout and /health answers 503 naming the phase
+(loading, warming up) until the engine is ready. At shutdown it calls ``engine_client.shutdown(drain_timeout)``. uvicorn's graceful shutdown runs first: on SIGTERM
 it stops accepting connections and waits (up to the same timeout) for in-flight responses, which
 the engine keeps serving, before the lifespan stops the engine.
 
@@ -21,10 +23,14 @@ The served OpenAPI document (/openapi.json) lists the error responses each route
 
 from __future__ import annotations
 
+import asyncio
 import codecs
+import contextlib
 import gc
 import inspect
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,7 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashtier import __version__
 from flashtier.engine.client import EngineClient
-from flashtier.server import routes_misc
+from flashtier.server import routes_admin, routes_misc
 from flashtier.server.anthropic import route as routes_messages
 from flashtier.server.openai import chat_route as routes_chat, completions_route as routes_completions
 from flashtier.server.responses import route as routes_responses
@@ -230,9 +236,34 @@ def _openapi(app: FastAPI, settings: ServerSettings) -> dict[str, Any]:
     return schema
 
 
+async def _build(factory: EngineClientFactory, settings: ServerSettings,
+                 set_phase: Callable[[str], None]) -> EngineClient:
+    """Call the engine factory: an async one on the loop, a sync one on a daemon thread (a model load takes
+    minutes; a daemon is not waited for at exit when the server stops meanwhile). A factory that takes a
+    ``phase`` keyword gets ``set_phase`` (``_model_engine`` reports its warm-up)."""
+    kwargs = {"phase": set_phase} if "phase" in inspect.signature(factory).parameters else {}
+    if inspect.iscoroutinefunction(factory):
+        return await factory(settings, **kwargs)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def load() -> None:
+        try:
+            result = factory(settings, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+    threading.Thread(target=load, name="engine-loader", daemon=True).start()
+    built = await done
+    return await built if inspect.isawaitable(built) else built
+
+
 def create_app(settings: ServerSettings, engine_client_factory: EngineClientFactory, *,
-               tokenizer: Tokenizer | None = None) -> FastAPI:
-    """The ASGI app. `tokenizer` defaults to --tokenizer, else the model directory's, else the shipped one."""
+               tokenizer: Tokenizer | None = None, on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """The ASGI app. `tokenizer` defaults to --tokenizer, else the model directory's, else the shipped one.
+    ``on_fatal``: called on the event loop when the engine cannot be built (the CLI stops the server)."""
     if tokenizer is None:
         tokenizer = (Tokenizer(settings.tokenizer) if settings.tokenizer
                      else Tokenizer.from_model_dir(settings.model_dir))
@@ -247,14 +278,29 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
         return engine is not None and engine.is_ready()
 
     metrics = ServerMetrics(settings.model_name, max_model_len=settings.max_model_len or (1 << 20),
-                            stats=engine_stats, ready=engine_ready, version=__version__, demo=settings.is_demo)
+                            stats=engine_stats, ready=engine_ready, phase=lambda: holder["state"].phase if holder else "loading",
+                            version=__version__, demo=settings.is_demo)
     state = holder["state"] = ServerState(settings, tokenizer, metrics)
     responses = state.response_store = open_response_store(settings)  # no disk or network until used
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        built = engine_client_factory(settings)
-        engine: EngineClient = await built if inspect.isawaitable(built) else built
+    def set_phase(phase: str) -> None:
+        """The factory reports its phase (``"warming up"``) from the loader thread."""
+        state.phase = phase
+        logger.info("engine: %s", phase)
+
+    async def start_engine() -> None:
+        """Build the engine (a sync factory on a daemon loader thread: the port is open and /health, /metrics
+        answer meanwhile), then serve. Mutates ``state.engine`` / ``phase`` / ``ready``. Failure: logged with
+        its traceback, phase "failed" (/health 503 says so) and ``on_fatal`` asks the server to stop."""
+        t0 = time.monotonic()
+        try:
+            engine = await _build(engine_client_factory, settings, set_phase)
+        except Exception as exc:  # noqa: BLE001 - any load failure ends the server, with its cause in the log
+            logger.exception("the engine could not be started")
+            state.phase = f"failed ({type(exc).__name__}: {exc})"
+            if on_fatal is not None:
+                on_fatal()
+            return
         state.engine = engine
         logger.info("serving %s (max_model_len %s)", list(settings.model_names), engine.max_model_len)
         log_startup(settings, engine)  # device, pool, tiers, URL; the demo note as INFO
@@ -262,11 +308,24 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
         # full collections otherwise walk them all (~150 ms on the event loop, measured) while requests wait.
         gc.collect()
         gc.freeze()
+        state.phase = "ready"
+        state.ready.set()
+        logger.info("ready in %.1f s", time.monotonic() - t0)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.create_task(start_engine(), name="engine-start")
         try:
             yield
         finally:
-            logger.info("stopping the engine (drain timeout %.1f s)", settings.drain_timeout_s)
-            await engine.shutdown(settings.drain_timeout_s)
+            state.phase = "stopping"
+            if not starting.done():  # stopped while loading: the loader thread is a daemon, left behind
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+            if state.engine is not None:
+                logger.info("stopping the engine (drain timeout %.1f s)", settings.drain_timeout_s)
+                await state.engine.shutdown(settings.drain_timeout_s)
             await responses.close()
             state.cpu_pool.shutdown()
 
@@ -277,6 +336,7 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
     app.include_router(routes_chat.router)
     app.include_router(routes_completions.router)
     app.include_router(routes_misc.router)
+    app.include_router(routes_admin.router)
     app.include_router(routes_messages.router)
     app.include_router(routes_responses.router)
     # added last = outermost

@@ -23,6 +23,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _LOG_HANDLER = "flashtier"  # the name of the root handler configure_logging installs (once)
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from flashtier.engine.client import EngineClient
@@ -121,17 +123,33 @@ def _serve(args: argparse.Namespace, engine_factory: EngineClientFactory | None 
         from flashtier.server.app import create_app
 
         _serve_seed(settings)
-        app = create_app(settings, engine_factory or _model_engine)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None,
-                    timeout_graceful_shutdown=settings.drain_timeout_s)
+        _keep_compiled_kernels(settings)
+        failed = []
+
+        def stop_on_failure() -> None:  # the engine could not be built: the server stops, exit status 1
+            failed.append(True)
+            server.should_exit = True
+
+        app = create_app(settings, engine_factory or _model_engine, on_fatal=stop_on_failure)
+        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                               log_level=settings.log_level, log_config=None,
+                                               timeout_graceful_shutdown=settings.drain_timeout_s))
+        server.run()
     finally:
         if kv_lock is not None:
             kv_lock.release()
-    return 0
+    return 1 if failed else 0
 
 
-def _model_engine(s: ServerSettings) -> EngineClient:
-    """The engine ``serve`` runs: the checkpoint in MODEL_DIR, else the demo checkpoint."""
+def _keep_compiled_kernels(settings: ServerSettings) -> None:
+    """Triton's compiled kernels in CACHE_DIR/triton (unless TRITON_CACHE_DIR says otherwise), so a restart
+    with the same cache directory loads them instead of compiling (the container keeps /var/cache/flashtier)."""
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(settings.cache_dir, "triton"))
+
+
+def _model_engine(s: ServerSettings, *, phase: Callable[[str], None] | None = None) -> EngineClient:
+    """The engine ``serve`` runs: the checkpoint in MODEL_DIR, else the demo checkpoint; warmed up before it
+    serves when the settings say so (``phase`` hears "warming up"). Runs on the app's loader thread."""
     import dataclasses
 
     from flashtier.engine.factory import build_async_engine
@@ -152,7 +170,7 @@ def _model_engine(s: ServerSettings) -> EngineClient:
     tok = Tokenizer(s.tokenizer) if s.tokenizer else Tokenizer.from_model_dir(s.model_dir)
     if s.tensor_parallel_size > 1:
         return _parallel_engine(s, config, model_token_map(tok, cfg))
-    return build_async_engine(config, s.kvstore, model_token_map(tok, cfg), tiers=True)
+    return build_async_engine(config, s.kvstore, model_token_map(tok, cfg), tiers=True, phase=phase)
 
 
 def _parallel_engine(s: ServerSettings, config: EngineConfig, token_map: torch.Tensor) -> EngineClient:

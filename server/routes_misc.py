@@ -35,7 +35,7 @@ from flashtier.server.protocol.response_models import (
     TokenizeResponse,
 )
 from flashtier.server.serving.request_checks import check_text
-from flashtier.server.config.settings import DEMO_NOTE
+from flashtier.server.config.settings import DEMO_PRESET, demo_note
 from flashtier.server.serving.state import ServerState, get_state
 
 router = APIRouter(route_class=PooledJSONRoute)
@@ -45,7 +45,8 @@ _VERSION_SCHEMA = {"type": "object", "properties": {"version": {"type": "string"
 def _cards(state: ServerState) -> list[dict]:
     settings = state.settings
     root = settings.model_dir or f"preset:{settings.effective_preset}"
-    ext = {"demo": settings.is_demo, "note": DEMO_NOTE if settings.is_demo else None}
+    note = demo_note(settings.effective_preset or DEMO_PRESET) if settings.is_demo else None
+    ext = {"demo": settings.is_demo, "note": note}
     return [
         ModelCard(id=name, created=state.created, root=root, max_model_len=state.max_model_len,
                   flashtier=ext).model_dump()

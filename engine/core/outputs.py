@@ -33,13 +33,19 @@ class ChoiceDelta:
 
 @dataclass(frozen=True, slots=True)
 class CacheUsage:
-    """Where the prompt's tokens came from (DESIGN §5): cached tokens by tier and replayed tokens."""
+    """Where the prompt's tokens came from (DESIGN §5): cached tokens by tier, the decoder's tokens, the
+    encoder tokens of an (approximate) bounded replay, computed tokens, durable bytes."""
 
     cached_tokens: int = 0  # prompt tokens not computed from scratch (hbm + ssd + snapshot)
     hbm_tokens: int = 0  # full blocks found in the runtime pool
     ssd_tokens: int = 0  # full blocks loaded from the SSD tier
     snapshot_tokens: int = 0  # tokens covered by an exact snapshot resume
-    replayed_tokens: int = 0  # encoder + decoder bounded replay tokens
+    # the decoder's pass over the prompt's last min(window, n) tokens (CED: only those run through the decoder
+    # layers): part of every prefill, exact by design; cold, exact and replay alike
+    decoder_tokens: int = 0
+    # encoder tokens this request re-fed in an encoder bounded replay from R > window (the approximate
+    # window state, DESIGN §5): 0 unless the resume kind is "replay"
+    approximate_replay_tokens: int = 0
     computed_tokens: int = 0  # prompt tokens run through the encoder
     persisted_bytes: int = 0  # bytes of this request confirmed durable so far (fsynced SSD blocks, Redis snapshots)
 

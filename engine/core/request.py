@@ -69,6 +69,7 @@ class Sequence:
     swapped: SwappedState | None = None  # preemption: private state + block images on the host
     grammar: GrammarState | None = None  # structured output: where this choice is in its grammar
     spec: SpecState | None = None  # speculative decoding: drafter rings and drafts (None: plain decoding)
+    tenant: bytes | None = None  # tag of its request's tenant (kvstore/tenant.py): the blocks it caches carry it
 
     @property
     def finished(self) -> bool:
@@ -103,7 +104,8 @@ class Request:
     fork_block: int | None = None  # hashes[fork_block:] follow a replayed fork (approximate blocks)
     hbm_blocks: int = 0  # HBM hits pinned while LOADING
     lookup: concurrent.futures.Future[TierLookup] | None = None  # the pending tier lookup
-    replayed_tokens: int = 0
+    decoder_tokens: int = 0  # prompt tokens the decoder ran (its pass over the prompt's last window; exact)
+    approximate_replay_tokens: int = 0  # encoder tokens re-fed by a bounded replay from R > window (approximate)
     computed_tokens: int = 0
     resume: ResumeInfo = field(default_factory=ResumeInfo)  # set when the request enters PREFILL
     first_scheduled: float | None = None

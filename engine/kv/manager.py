@@ -21,7 +21,7 @@ from flashtier.engine.kv.paged_kv import PagedSequence
 from flashtier.engine.kv.ring_arena import RingArena
 from flashtier.engine.kv.window_rings import WindowRings
 from flashtier.kvstore.block_hash import BlockHash, fork_root, hash_block
-from flashtier.kvstore.block_pool import BlockPool, KVBlock
+from flashtier.kvstore.block_pool import BlockPool, KVBlock, TenantDrop
 from flashtier.kvstore.kv_pool import GlobalKVPool
 from flashtier.kvstore.layout import BlockLayout, KVGeometry
 
@@ -142,10 +142,15 @@ class KVManager:
         """Block ids of the longest cached run of ``hashes`` (counted in the pool's stats; not pinned)."""
         return [b.block_id for b in self.pool.match_prefix(hashes)]
 
-    def load_block(self, block_id: int, image: bytes, block_hash: BlockHash) -> None:
-        """Fill a fresh block with a full block's image and register its hash (SSD loads)."""
+    def load_block(self, block_id: int, image: bytes, block_hash: BlockHash, tenant: bytes | None = None) -> None:
+        """Fill a fresh block with a full block's image and register its hash for ``tenant`` (SSD loads)."""
         self.kv.load_image(block_id, image)
-        self.pool.cache_full_block(self.pool.blocks[block_id], block_hash)
+        self.pool.cache_full_block(self.pool.blocks[block_id], block_hash, tenant)
+
+    def drop_tenant(self, tenant: bytes) -> TenantDrop:
+        """``BlockPool.drop_tenant``: the tenant's cached blocks leave the prefix index (blocks in use stay
+        with their requests, unhashed). Engine thread only; mutates the index, never bytes or ref counts."""
+        return self.pool.drop_tenant(tenant)
 
     def cache_full_blocks(self, seq: Sequence, namespace: BlockHash) -> list[CachedBlock]:
         """Hash and register every block of ``seq`` that became full since the last call.
@@ -153,6 +158,8 @@ class KVManager:
         Provenance: a block holding an entry computed from a replayed (approximate) window state, at or
         after ``seq.kv.replayed_from``, is hashed on the replayed fork (``fork_root``) when the chain has
         not forked yet, so exact lookups never find it and lookups that follow the fork do.
+
+        Each block registered carries ``seq.tenant`` (``BlockPool.drop_tenant`` finds it by that tag).
 
         Mutates: ``seq.hashes``, ``seq.fork_block`` and the prefix index. Returns the blocks registered.
         """
@@ -167,7 +174,7 @@ class KVManager:
             h = hash_block(parent, tokens[k * bs : (k + 1) * bs])
             seq.hashes.append(h)
             block_id = seq.kv.table.ids[k]
-            self.pool.cache_full_block(self.pool.blocks[block_id], h)
+            self.pool.cache_full_block(self.pool.blocks[block_id], h, seq.tenant)
             new.append(CachedBlock(block_id, h))
         return new
 

@@ -35,7 +35,8 @@ from multiprocessing.connection import wait
 
 import torch
 
-from flashtier.engine.client import EngineDeadError, QueueFullError, drain_outputs
+from flashtier.engine.client import (EngineDeadError, QueueFullError, TenantDeletionReport, TenantDeletionUnsupported,
+                                     drain_outputs)
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.parallel.executor_messages import AbortEvent, AddEvent, EngineInfo, Failed, StepDone, StepInput
@@ -159,6 +160,12 @@ class ParallelEngineClient:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    async def delete_tenant(self, tenant: str | None) -> TenantDeletionReport:
+        """Not supported: every rank holds its own prefix cache, and a deletion would have to reach them all
+        at the same step (a new broadcast event); the SSD tier and snapshot pool are off with N > 1."""
+        raise TenantDeletionUnsupported("deleting a tenant from a running tensor-parallel server is not "
+                                        "supported; restart it (each rank's HBM prefix cache starts empty)")
 
     def engine_summary(self) -> str:
         """The start-up summary's engine line."""

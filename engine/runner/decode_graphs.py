@@ -92,12 +92,13 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor, pad: torch.Tensor, b: int) 
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, views: PagedViews, pad_slot: int, sources: dict[int, tuple[int, int]],
-                 *, capture: bool, max_rows: int = 64):
+                 *, capture: bool, max_rows: int = 64, sizes: tuple[int, ...] = ()):
         """``pad_slot``: the arena slot pad rows write to; ``sources``: KV source -> (ratio, entries per block);
-        ``capture``: CUDA graphs (else the padded program runs eagerly); ``max_rows``: the largest batch."""
+        ``capture``: CUDA graphs (else the padded program runs eagerly); ``max_rows``: the largest batch;
+        ``sizes``: the batch buckets (default ``CAPTURE_SIZES``), cut at ``max_rows``, which is always one."""
         self.model, self.views, self.pad_slot, self.capture = model, views, pad_slot, capture
         self.sources = sources
-        self.sizes = tuple(s for s in CAPTURE_SIZES if s < max_rows) + (max_rows,)
+        self.sizes = tuple(s for s in (sizes or CAPTURE_SIZES) if s < max_rows) + (max_rows,)
         cfg = model.cfg
         self.window, self.enc_layers = cfg.sliding_window, range(cfg.n_encoder_layers)
         self.host = next((b.engram.host for b in model.layers if b.engram is not None and b.engram.host), None)

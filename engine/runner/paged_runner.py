@@ -28,7 +28,8 @@ from flashtier.engine.runner.step_metadata import RowSpan, build_step_rows
 
 
 class PagedRunner:
-    def __init__(self, model: Transformer, kvm: KVManager, *, graphs: bool = False, max_graph_rows: int = 64):
+    def __init__(self, model: Transformer, kvm: KVManager, *, graphs: bool = False, max_graph_rows: int = 64,
+                 graph_sizes: tuple[int, ...] = ()):
         """``graphs``: replay plain decode steps' decoder part from CUDA graphs (decode_graphs.py)."""
         assert kvm.arena is not None, "the paged runner needs the KV manager's ring arena"
         self.model, self.kvm = model, kvm
@@ -45,7 +46,7 @@ class PagedRunner:
         per_block = kvm.layout.entries_per_block
         self.sources = {src: (r, per_block[i]) for i, (src, r) in enumerate(zip(ids, spec.source_ratios))}
         self.graphs = (DecodeGraphs(model, self.views, kvm.arena.pad_slot, self.sources, capture=True,
-                                    max_rows=max_graph_rows) if graphs else None)
+                                    max_rows=max_graph_rows, sizes=graph_sizes) if graphs else None)
 
     @staticmethod
     def can_run(batch: SchedulerOutput) -> bool:

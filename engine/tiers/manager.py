@@ -25,10 +25,13 @@ from flashtier.engine.tiers.restored_run import RestoredRun
 from flashtier.engine.tiers.snapshot_search import SnapshotQuery, find_snapshot
 from flashtier.kvstore.block_hash import BlockHash, fork_chain
 from flashtier.kvstore.config import KVStoreConfig
+from flashtier.kvstore.snapshot.persist import load_pool, save_pool
+from flashtier.kvstore.snapshot.pool import EmbeddedSnapshotPool
 from flashtier.kvstore.snapshot.redis_pool import snapshot_pool_from_config
 from flashtier.kvstore.snapshot.key import SnapshotKey
 from flashtier.kvstore.ssd.put_result import PutResult
 from flashtier.kvstore.ssd.store import SSDStore
+from flashtier.kvstore.ssd.tenant_delete import TenantDeletion
 from flashtier.kvstore.ssd.writer import SSDWriter
 from flashtier.kvstore.tenant import DEFAULT_TENANT_TAG
 
@@ -95,6 +98,18 @@ class TierStats:
     snapshot_bytes_written: int = 0
     snapshot_lookups: dict[SnapshotOutcome, int] = field(default_factory=lambda: dict.fromkeys(SnapshotOutcome, 0))
     lookups: int = 0
+    # the embedded pool's file (kvstore/snapshot/persist.py): snapshots loaded at start-up, files found damaged
+    snapshot_restored: int = 0
+    snapshot_restore_corrupt: int = 0
+
+
+@dataclass
+class TierDeletion:
+    """What ``TierManager.delete_tenant`` removed."""
+
+    queued_discarded: int = 0  # write-through blocks dropped from the writer's queue
+    ssd: TenantDeletion | None = None  # None: no SSD tier
+    snapshots_deleted: int = 0
 
 
 class TierManager:
@@ -114,6 +129,14 @@ class TierManager:
             self.writer = SSDWriter(self.ssd)
         self.snapshots = snapshot_pool_from_config(config)
         self.snapshots_survive_restart = config.redis_url is not None
+        # the embedded pool survives a clean restart in a file beside the SSD tier (saved by ``close``)
+        self._pool_file_dir = config.ssd_dir if isinstance(self.snapshots, EmbeddedSnapshotPool) else None
+        if self._pool_file_dir is not None:
+            loaded = load_pool(self.snapshots, self._pool_file_dir)
+            self.stats.snapshot_restored, self.stats.snapshot_restore_corrupt = loaded.loaded, loaded.corrupt
+            if loaded.loaded or loaded.expired:
+                log.info("embedded snapshot pool: %d snapshots loaded from %s (%d expired while stopped)",
+                         loaded.loaded, self._pool_file_dir, loaded.expired)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flashtier-tier-io", daemon=True)
         self._thread.start()
@@ -215,9 +238,9 @@ class TierManager:
             further = self._on_ssd(forked, available)
             if further > available:
                 hashes, fork, available = forked, ForkedChain(tuple(forked), available), further
-        # the longest snapshot point P < n whose full blocks are all available (its replay tail carries
-        # the encoder outputs that the decoder replay needs below P)
-        best_b = min(available, (n - 1) // bs)
+        # the longest snapshot point P <= n whose full blocks are all available (its replay tail carries
+        # the encoder outputs that the decoder replay needs below P; P = n: a retry of the same prompt)
+        best_b = min(available, n // bs)
         query = SnapshotQuery(q.namespace, q.replayed_namespace, q.prompt, hashes, bs)
         found = await find_snapshot(self.snapshots, query, best_b)
         point, payload = found.point, found.payload
@@ -258,12 +281,45 @@ class TierManager:
                 end += 1
         return end
 
+    def delete_tenant(self, tenant: bytes, namespaces: frozenset[BlockHash],
+                      timeout: float = 120.0) -> TierDeletion:
+        """Delete tenant ``tenant`` (its tag) from the SSD tier and its ``namespaces`` from the snapshot pool.
+
+        SSD: the writer's queued blocks of the tenant are dropped (``discard_tenant``), the writer is
+        flushed (a batch it had already taken is then on disk), and ``SSDStore.delete_tenant`` rewrites
+        every segment holding one of its records, fsynced (ssd/tenant_delete.py). Snapshots:
+        ``delete_namespaces`` on the I/O loop, waited for up to ``timeout`` s.
+
+        Blocking (file rewrites, Redis round trips): call it from a worker thread, never from the engine
+        thread or an event loop. Mutates the writer's queue, the segment files and the index, the pool.
+        Failure: OSError from the SSD tier (its entries are no longer served; a retry removes the bytes),
+        the pool's error or TimeoutError from the snapshot pool; each raised after the SSD part ran.
+        """
+        out = TierDeletion()
+        if self.writer is not None and self.ssd is not None:
+            out.queued_discarded = self.writer.discard_tenant(tenant)
+            if not self.writer.flush(timeout):
+                raise OSError("SSD tier: the writer did not flush before the tenant deletion")
+            out.ssd = self.ssd.delete_tenant(tenant)
+        fut = asyncio.run_coroutine_threadsafe(self.snapshots.delete_namespaces(namespaces), self._loop)
+        out.snapshots_deleted = fut.result(timeout)
+        return out
+
     def close(self) -> None:
+        """Clean shutdown: wait for pending puts and lookups, save the embedded pool's live snapshots beside
+        the SSD tier (a failure to save is logged: the next start has no snapshots, never fails), close the
+        pool, the I/O loop, the SSD writer (flushed) and the store."""
         for fut in list(self._pending):
             try:
                 fut.result(timeout=2)
             except Exception:  # noqa: BLE001
                 pass
+        if self._pool_file_dir is not None:
+            try:
+                n = save_pool(self.snapshots, self._pool_file_dir)
+                log.info("embedded snapshot pool: %d snapshots saved to %s", n, self._pool_file_dir)
+            except Exception:  # noqa: BLE001 - a lost file costs misses after the restart
+                log.exception("embedded snapshot pool: could not save its snapshots to %s", self._pool_file_dir)
         try:
             asyncio.run_coroutine_threadsafe(self.snapshots.close(), self._loop).result(timeout=2)
         except Exception:  # noqa: BLE001

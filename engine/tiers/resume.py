@@ -4,7 +4,7 @@ At admission a request pins its HBM hits (the leading ``hbm_blocks`` of its tabl
 for more. The lookup yields SSD images of the blocks after those hits and the best snapshot point P::
 
     blocks   [ HBM hits (pinned) | SSD images ............... ]
-    exact    [ keep P // bs      | load up to P // bs ][ tail ]   snapshot installed: continue at P (any P < n;
+    exact    [ keep P // bs      | load up to P // bs ][ tail ]   snapshot installed: continue at P (any P <= n;
                                                                   its replay tail feeds the decoder replay below P)
     replay   [ HBM hits          | every SSD image    ]           encoder bounded replay from r = blocks * bs
     cold     r < window: every block released, prefill from 0
@@ -101,7 +101,7 @@ def install_resume(
     bs, spec = kvm.block_size, kvm.spec
     hbm_ids = list(seq.kv.table.ids)
     loaded = [blk.block_id for blk in fresh[: len(plan.ssd_images)]]
-    load_run(kvm, plan.ssd_images, loaded, hashes[plan.hbm_blocks : plan.hbm_blocks + len(loaded)])
+    load_run(kvm, plan.ssd_images, loaded, hashes[plan.hbm_blocks : plan.hbm_blocks + len(loaded)], seq.tenant)
     if plan.point is None:
         return _replay_or_cold(kvm, seq, hashes, hbm_ids + loaded, plan, invalid=False, allow_replay=allow_replay,
                                fork_block=fork_block)
@@ -128,15 +128,17 @@ def install_resume(
                         len(loaded), snapshot_invalid=False)
 
 
-def load_run(kvm: KVManager, run: RestoredRun, block_ids: list[int], hashes: list[BlockHash]) -> None:
-    """Fill fresh blocks ``block_ids`` with ``run``'s images in one copy and register their ``hashes``.
+def load_run(kvm: KVManager, run: RestoredRun, block_ids: list[int], hashes: list[BlockHash],
+             tenant: bytes | None = None) -> None:
+    """Fill fresh blocks ``block_ids`` with ``run``'s images in one copy and register their ``hashes`` for
+    ``tenant`` (the tag of the request's tenant, kvstore/tenant.py).
     Mutates the pool's bytes and prefix index; gives the run's lease back. ValueError (nothing loaded,
     the lease kept) when ``block_ids`` and the run differ in length or its images are not block images."""
     if len(run) and run.slot_bytes != kvm.layout.block_bytes:
         raise ValueError(f"block image has {run.slot_bytes} bytes, expected {kvm.layout.block_bytes}")
     run.install(kvm.kv.data, block_ids)
     for block_id, block_hash in zip(block_ids, hashes):
-        kvm.pool.cache_full_block(kvm.pool.blocks[block_id], block_hash)
+        kvm.pool.cache_full_block(kvm.pool.blocks[block_id], block_hash, tenant)
 
 
 def _replay_or_cold(

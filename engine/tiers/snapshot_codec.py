@@ -9,9 +9,9 @@
 - each ratio-2 source's partial group (present flag, position, kv row, score row);
 - the replay tail: the encoder outputs (x [rows, hc, D], pre [rows, hc]) of positions [P - rows, P),
   rows = min(window, P - enc_start). A new prompt of n < P + window tokens starts its decoder replay at
-  max(enc_start, n - window) < P: those rows are the replay's input below P, so every point P < n
-  resumes exactly (without them only P <= n - window could, and shorter follow-ups fell back to an
-  approximate encoder bounded replay);
+  max(enc_start, n - window) <= P: those rows are the replay's input below P, so every point P <= n
+  resumes exactly (P = n, a retried prompt: the tail is the whole decoder replay's input; without them
+  only P <= n - window could, and shorter follow-ups fell back to an approximate encoder bounded replay);
 - the image of the partial tail block (the global KV of tokens [floor(P / bs) * bs, P)).
 
 Floating fields are raw bytes of the compute precision (fp32; fp64 in the exactness mode): exact.
@@ -150,8 +150,8 @@ def decode_snapshot(
 def _check_tail(p: int, enc_start: int, rows: int, shape: tuple[int, int], spec: SequenceSpec, n: int) -> None:
     """The replay tail fits the model and covers [max(enc_start, n - window), P), the part of this
     prompt's decoder replay that lies below P."""
-    if not p < n:
-        raise ValueError(f"snapshot point {p} is not before the prompt end {n}")
+    if not p <= n:
+        raise ValueError(f"snapshot point {p} is beyond the prompt end {n}")
     if rows > min(spec.window, p - enc_start) or (rows and shape != spec.stream_shape):
         raise ValueError("snapshot replay tail does not fit this model or point")
     if rows < p - max(enc_start, n - spec.window, 0):

@@ -1,13 +1,15 @@
-"""Find the best snapshot for a prompt of n tokens: the longest point P < n, at or below ``best_b`` full
+"""Find the best snapshot for a prompt of n tokens: the longest point P <= n, at or below ``best_b`` full
 blocks, whose key is in the pool — exact snapshots first, then (if allowed) replayed ones.
 
     block boundaries   best_b, best_b - 1, ... (at most SNAPSHOT_SEARCH_BLOCKS of them)
     at boundary b      directory (namespace, hash of block b - 1) -> {tail length: tail hash}
     a point            P = b * bs + tail length, usable if its tail hash equals the prompt's tokens
 
-Any P < n will do, however close to n: the payload's replay tail holds the encoder outputs that the
-decoder replay over [n - window, n) needs below P. P = n is not a candidate: the scheduler always feeds
-at least one prompt token. A payload of an older codec version is skipped like an absent one (a miss).
+Any P <= n will do, however close to n: the payload's replay tail holds the encoder outputs that the
+decoder replay over [n - window, n) needs below P. P = n (the same prompt again: a retry, a regenerate,
+n > 1 sent as separate requests) resumes from the earlier request's prompt-end snapshot and feeds no
+encoder token at all: the decoder replay reads the whole tail. A payload of an older codec version is
+skipped like an absent one (a miss).
 
 Replayed (approximate) states are stored under ``replayed_namespace`` (never where an exact one is),
 so a hit there resumes an approximate state and is reported as such (its payload carries enc_start).
@@ -70,7 +72,7 @@ async def _search(pool: SnapshotPool, q: SnapshotQuery, namespace: BlockHash, be
     for b, parent, points in zip(boundaries, parents, directories):
         for tail_len in sorted(points, reverse=True):
             p = b * bs + tail_len
-            if tail_len >= bs or p >= n or p < 1:
+            if tail_len >= bs or p > n or p < 1:
                 continue
             key = SnapshotKey.for_tail(namespace, parent, q.prompt[b * bs : p])
             if key.tail_hash.hex() != points[tail_len]:

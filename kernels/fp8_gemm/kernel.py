@@ -120,6 +120,19 @@ def fp8_scaled_mma(
 
 
 @triton.jit
+def _store_tile(p_out, acc, i_s, stride_s, stride_m, o_m, m_m, o_n, m_n, OUT_BF16: tl.constexpr):
+    """Store the fp32 tile ``acc [BLOCK_N, BLOCK_M]`` (n-major) at rows ``o_m``, columns ``o_n`` of split ``i_s``
+    of a row-major output (dense in n), masked by ``m_m`` / ``m_n``; rounded to bf16 (RNE) when ``OUT_BF16``."""
+    out = tl.trans(acc)
+    p_o = p_out + i_s * stride_s + o_m[:, None] * stride_m + o_n[None, :]
+    m_o = m_m[:, None] & m_n[None, :]
+    if OUT_BF16:
+        tl.store(p_o, _f32_to_bf16_rne(out), mask=m_o)
+    else:
+        tl.store(p_o, out, mask=m_o)
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     p_a, p_sa, p_w, p_sw, p_out, M, N, KW, NG, k_split,
     stride_am, stride_sam, stride_wn, stride_swn, stride_os, stride_om,
@@ -156,13 +169,7 @@ def _fp8_gemm_kernel(
             tl.minimum(k_lo + k_split, KW), stride_wn, stride_swn, stride_am, stride_sam, BN_SCALE, BLOCK_K, A_FP8,
             A_SPLIT, INTERPRET,
         )
-    out = tl.trans(acc)
-    p_o = p_out + i_s * stride_os + o_m[:, None] * stride_om + o_n[None, :]
-    m_o = m_m[:, None] & m_n[None, :]
-    if OUT_BF16:
-        tl.store(p_o, _f32_to_bf16_rne(out), mask=m_o)
-    else:
-        tl.store(p_o, out, mask=m_o)
+    _store_tile(p_out, acc, i_s, stride_os, stride_om, o_m, m_m, o_n, m_n, OUT_BF16)
 
 
 @triton.jit

@@ -33,12 +33,13 @@ id reads as an absent entry there, while the reference raises ``ValueError``.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
 from flashtier.kernels.indexer_topk.kernel import IndexerTopKConfig, keys_to_scores, score_keys, select_from_keys
-from flashtier.kernels.quant.common import resolve_impl
+from flashtier.kernels.quant.common import check_tensor, resolve_impl
 from flashtier.kernels.indexer_topk.reference import (
     candidate_blocks_reference,
     indexer_scores_reference,
@@ -62,15 +63,7 @@ class IndexerSelection(NamedTuple):
     block_scores: torch.Tensor | None = None  # [B, ceil(L / cand_block)] fp32 (layer 20, return_scores)
 
 
-def _tensor(t, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"{_OP}: {name} must be {names}, got {t.dtype} (shape {tuple(t.shape)})")
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
-        raise ValueError(f"{_OP}: {name} must have shape {want}, got {tuple(t.shape)}")
+_tensor = partial(check_tensor, op=_OP)
 
 
 def _positive_int(v, name: str) -> int:

@@ -31,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtier.kernels.quant.fp8_bits import _f32_to_bf16_rne
-from flashtier.kernels.fp8_gemm.kernel import _REDUCE_BLOCK, _split_reduce_kernel
+from flashtier.kernels.fp8_gemm.kernel import _REDUCE_BLOCK, _split_reduce_kernel, _store_tile
 
 MODE_BF16, MODE_F32_X_BF16_W, MODE_F32 = 0, 1, 2
 _INLINE_ABOVE = 64  # rows: above, the splits run inside each program
@@ -120,13 +119,7 @@ def _linear_kernel(
         k_lo = i_s * k_split
         acc = _partial(p_x, p_w, o_m, m_m, o_n, m_n, k_lo, tl.minimum(k_lo + k_split, K), stride_xm, stride_wn,
                        MODE, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
-    out = tl.trans(acc)
-    p_o = p_y + i_s * stride_ys + o_m[:, None] * stride_ym + o_n[None, :]
-    m_o = m_m[:, None] & m_n[None, :]
-    if OUT_BF16:
-        tl.store(p_o, _f32_to_bf16_rne(out), mask=m_o)
-    else:
-        tl.store(p_o, out, mask=m_o)
+    _store_tile(p_y, acc, i_s, stride_ys, stride_ym, o_m, m_m, o_n, m_n, OUT_BF16)
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, mode: int, out: torch.Tensor,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtier.kernels.quant.fp8_bits import _e4m3_code, _e4m3_to_f32, _e8m0_reciprocal, _e8m0_scale_exponent, _e8m0_to_f32
+from flashtier.kernels.quant.fp8 import _fp8_codes, _fp8_scale, _fp8_values
 
 
 @triton.jit
@@ -57,12 +57,10 @@ def _tile_rows(
 
 @triton.jit
 def _fp8_qdq_cols(v, BM: tl.constexpr, BN: tl.constexpr):
-    """``fp8_qdq`` of fp32 ``v [BM, BN]`` per 32 consecutive columns: the same bit operations as quant_fp8."""
+    """``fp8_qdq`` of fp32 ``v [BM, BN]`` per 32 consecutive columns: quant_fp8's own Triton helpers."""
     b = tl.reshape(v, (BM, BN // 32, 32))
-    b_amax = tl.maximum(tl.max(tl.abs(b), axis=2), 1e-4)
-    b_exp = _e8m0_scale_exponent(b_amax, 448.0)
-    b_q = tl.minimum(tl.maximum(b * _e8m0_reciprocal(b_exp)[:, :, None], -448.0), 448.0)
-    return tl.reshape(_e4m3_to_f32(_e4m3_code(b_q)) * _e8m0_to_f32(b_exp)[:, :, None], (BM, BN))
+    b_exp, b_inv = _fp8_scale(tl.max(tl.abs(b), axis=2))
+    return tl.reshape(_fp8_values(_fp8_codes(b, b_inv[:, :, None]), b_exp[:, :, None], False), (BM, BN))
 
 
 @triton.jit

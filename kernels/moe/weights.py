@@ -26,42 +26,39 @@ from typing import NamedTuple
 import torch
 
 
-class MXFP4Experts(NamedTuple):
-    """Routed experts of one layer (see the module docstring for shapes)."""
+class _ExpertTensors(NamedTuple):
+    """The four byte tensors of an expert (or a stack of experts): fused w13 and w2, codes and scales."""
 
     w13_codes: torch.Tensor
     w13_scales: torch.Tensor
     w2_codes: torch.Tensor
     w2_scales: torch.Tensor
+
+    @property
+    def inter(self) -> int:
+        """I: w13 has 2I rows (its second-to-last axis, after the expert axis of a stack)."""
+        return self.w13_codes.shape[-2] // 2
+
+    @property
+    def dim(self) -> int:
+        """D: w2 has D rows."""
+        return self.w2_codes.shape[-2]
+
+
+class MXFP4Experts(_ExpertTensors):
+    """Routed experts of one layer (see the module docstring for shapes)."""
+
+    __slots__ = ()
 
     @property
     def n_experts(self) -> int:
         return self.w13_codes.shape[0]
 
-    @property
-    def inter(self) -> int:
-        return self.w13_codes.shape[1] // 2
 
-    @property
-    def dim(self) -> int:
-        return self.w2_codes.shape[1]
-
-
-class FP8Expert(NamedTuple):
+class FP8Expert(_ExpertTensors):
     """The shared expert of one layer (see the module docstring for shapes)."""
 
-    w13_codes: torch.Tensor
-    w13_scales: torch.Tensor
-    w2_codes: torch.Tensor
-    w2_scales: torch.Tensor
-
-    @property
-    def inter(self) -> int:
-        return self.w13_codes.shape[0] // 2
-
-    @property
-    def dim(self) -> int:
-        return self.w2_codes.shape[0]
+    __slots__ = ()
 
 
 def _check(t, name: str, shape: tuple[int, ...], op: str) -> None:
@@ -72,29 +69,34 @@ def _check(t, name: str, shape: tuple[int, ...], op: str) -> None:
         raise ValueError(f"{op}: {name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
+def _check_fields(w: _ExpertTensors, arg: str, shapes: tuple[tuple[int, ...], ...], op: str) -> None:
+    """``_check`` each field of ``w`` in order (w13_codes, w13_scales, w2_codes, w2_scales) against ``shapes``."""
+    for field, t, shape in zip(w._fields, w, shapes, strict=True):
+        _check(t, f"{arg}.{field}", shape, op)
+
+
+def _check_kind(w, cls: type, arg: str, op: str, also: str = "") -> None:
+    if not isinstance(w, cls):
+        raise ValueError(f"{op}: {arg} must be an {cls.__name__}{also}, got {type(w).__name__}")
+
+
+def _w13_error(w: _ExpertTensors, arg: str, layout: str, op: str) -> ValueError:
+    return ValueError(f"{op}: {arg}.w13_codes must be {layout} with I a multiple of 32, got {list(w.w13_codes.shape)}")
+
+
 def check_mxfp4_experts(w: MXFP4Experts, dim: int, op: str) -> None:
     """Raise ValueError naming the field when ``w`` is not a consistent stack for hidden width ``dim``."""
-    if not isinstance(w, MXFP4Experts):
-        raise ValueError(f"{op}: experts must be an MXFP4Experts, got {type(w).__name__}")
+    _check_kind(w, MXFP4Experts, "experts", op)
     if w.w13_codes.dim() != 3 or w.w13_codes.shape[1] % 64 or w.w13_codes.shape[0] < 1:
-        raise ValueError(f"{op}: experts.w13_codes must be [E, 2I, D/2] with I a multiple of 32, got "
-                         f"{list(w.w13_codes.shape)}")
+        raise _w13_error(w, "experts", "[E, 2I, D/2]", op)
     e, i = w.n_experts, w.inter
-    _check(w.w13_codes, "experts.w13_codes", (e, 2 * i, dim // 2), op)
-    _check(w.w13_scales, "experts.w13_scales", (e, 2 * i, dim // 32), op)
-    _check(w.w2_codes, "experts.w2_codes", (e, dim, i // 2), op)
-    _check(w.w2_scales, "experts.w2_scales", (e, dim, i // 32), op)
+    _check_fields(w, "experts", ((e, 2 * i, dim // 2), (e, 2 * i, dim // 32), (e, dim, i // 2), (e, dim, i // 32)), op)
 
 
 def check_fp8_expert(w: FP8Expert, dim: int, op: str) -> None:
     """Raise ValueError naming the field when ``w`` is not a consistent FP8 expert for hidden width ``dim``."""
-    if not isinstance(w, FP8Expert):
-        raise ValueError(f"{op}: shared must be an FP8Expert or None, got {type(w).__name__}")
+    _check_kind(w, FP8Expert, "shared", op, " or None")
     if w.w13_codes.dim() != 2 or w.w13_codes.shape[0] % 64 or w.w13_codes.shape[0] < 64:
-        raise ValueError(f"{op}: shared.w13_codes must be [2I, D] with I a multiple of 32, got "
-                         f"{list(w.w13_codes.shape)}")
+        raise _w13_error(w, "shared", "[2I, D]", op)
     i = w.inter
-    _check(w.w13_codes, "shared.w13_codes", (2 * i, dim), op)
-    _check(w.w13_scales, "shared.w13_scales", (2 * i // 32, dim // 32), op)
-    _check(w.w2_codes, "shared.w2_codes", (dim, i), op)
-    _check(w.w2_scales, "shared.w2_scales", (dim // 32, i // 32), op)
+    _check_fields(w, "shared", ((2 * i, dim), (2 * i // 32, dim // 32), (dim, i), (dim // 32, i // 32)), op)

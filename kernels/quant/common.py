@@ -1,7 +1,8 @@
 """Shared plumbing for the quantisation ops: impl dispatch, argument checks, row flattening, kernel launch.
 
 Every quantisation op validates its arguments here (``ValueError`` naming the argument and its shape),
-then picks an implementation with :func:`resolve_impl`. The row-block ops (FP8, FP4, MXFP4) launch their
+then picks an implementation with :func:`resolve_impl`. The row-block formats (FP8, FP4, MXFP4) are each one
+:class:`RowBlockFormat`, whose methods are their public ops (checks, dispatch, reshaping) and launch their
 Triton kernels through :func:`triton_quantize_rows`, :func:`triton_qdq_rows` and
 :func:`triton_dequantize_rows`. Nothing here holds state.
 """
@@ -9,6 +10,8 @@ Triton kernels through :func:`triton_quantize_rows`, :func:`triton_qdq_rows` and
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -66,6 +69,18 @@ def check_byte_tensor(t: torch.Tensor, name: str, op: str, last_dim: int, lead: 
     expected = (*lead, last_dim)
     if tuple(t.shape) != expected:
         raise ValueError(f"{op}: {name} must have shape {expected}, got {tuple(t.shape)}")
+
+
+def check_tensor(t, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...], op: str) -> None:
+    """``t`` is a tensor of one of ``dtypes`` with ``len(shape)`` dims; ``None`` in ``shape`` = any size."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{op}: {name} must be {names}, got {t.dtype} (shape {tuple(t.shape)})")
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        raise ValueError(f"{op}: {name} must have shape {want}, got {tuple(t.shape)}")
 
 
 def check_out_dtype(dtype: torch.dtype, op: str) -> None:
@@ -152,6 +167,110 @@ def triton_dequantize_rows(
     bf16 = dtype == torch.bfloat16
     _launch_row_blocks(kernel, r * (d // block), block, data, scales, out, OUT_BF16=bf16, **constexprs)
     return out
+
+
+@dataclass(frozen=True)
+class RowBlockFormat:
+    """A row-block format's ops: one scale byte per ``block`` consecutive elements of the last dimension.
+
+    The data of a vector of D elements is ``uint8[D]`` (one code per element, ``packed=False``: FP8) or
+    ``uint8[D // 2]`` (two e2m1 codes per byte, ``packed=True``: FP4, MXFP4); its scales ``uint8[D // block]``.
+    A format module states its spec (``reference_quantize`` / ``reference_dequantize`` on rows ``[R, D]``) and
+    its Triton kernels (launched with ``constexprs``); the methods here are its public ops, named after
+    ``name`` in errors (``quantize_fp4``, ``dequantize_fp4``, ``fp4_qdq``, ``pack_fp4_record``, ...).
+    """
+
+    name: str
+    block: int
+    packed: bool
+    reference_quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    reference_dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+    quantize_kernel: object
+    dequantize_kernel: object
+    constexprs: dict = field(default_factory=dict)
+
+    @property
+    def data_name(self) -> str:
+        return "packed" if self.packed else "codes"
+
+    def data_bytes(self, d: int) -> int:
+        """Data bytes of a vector of ``d`` elements."""
+        return d // 2 if self.packed else d
+
+    def record_bytes(self, d: int) -> int:
+        """Bytes of one packed record for ``d`` elements: data bytes, then ``d // block`` scale bytes."""
+        if d <= 0 or d % self.block != 0:
+            raise ValueError(
+                f"{self.name.upper()}_RECORD_BYTES: D must be a positive multiple of {self.block}, got {d}"
+            )
+        return self.data_bytes(d) + d // self.block
+
+    def quantize(self, x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantise ``x [..., D]`` (fp32/bf16/fp16, D % block == 0): ``(data uint8[..., data_bytes(D)], scales
+        uint8[..., D // block])``. ``impl``: "auto" (triton on CUDA, else reference), "reference" or "triton";
+        both give identical bytes."""
+        op = f"quantize_{self.name}"
+        check_float_input(x, "x", op, self.block)
+        impl = resolve_impl(impl, x, op)
+        d = x.shape[-1]
+        fn = self.reference_quantize if impl == "reference" else self._triton_quantize
+        data, scales = fn(as_rows(x))
+        return data.reshape(*x.shape[:-1], self.data_bytes(d)), scales.reshape(*x.shape[:-1], d // self.block)
+
+    def dequantize(
+        self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto"
+    ) -> torch.Tensor:
+        """Decode ``data uint8[..., data_bytes(D)]`` with ``scales uint8[..., D // block]`` to ``dtype [..., D]``
+        (fp32, bf16 or fp16): the format's value in fp32, then cast with round-to-nearest-even."""
+        op = f"dequantize_{self.name}"
+        d = self._check_data_and_scales(data, scales, op)
+        check_same_device(data, scales, f"{self.data_name} and scales", op)
+        check_out_dtype(dtype, op)
+        impl = resolve_impl(impl, data, op)
+        fn = self.reference_dequantize if impl == "reference" else self._triton_dequantize
+        return fn(as_rows(data), as_rows(scales), dtype).reshape(*data.shape[:-1], d)
+
+    def qdq(self, x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        """``dequantize(*quantize(x))`` in fp32: the model's in-line fake quantisation (fused on GPU)."""
+        op = f"{self.name}_qdq"
+        check_float_input(x, "x", op, self.block)
+        impl = resolve_impl(impl, x, op)
+        rows = as_rows(x)
+        if impl == "reference":
+            return self.reference_dequantize(*self.reference_quantize(rows), torch.float32).reshape(x.shape)
+        return triton_qdq_rows(self.quantize_kernel, rows, self.block, **self.constexprs).reshape(x.shape)
+
+    def pack_record(self, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """``data uint8[..., data_bytes(D)]`` + ``scales uint8[..., D // block]`` -> ``uint8[..., record_bytes(D)]``
+        (data, then scales)."""
+        self._check_data_and_scales(data, scales, f"pack_{self.name}_record")
+        return torch.cat((data, scales), dim=-1)
+
+    def unpack_record(self, rec: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split ``rec uint8[..., record_bytes(d)]`` into ``(data, scales)`` (views of ``rec``)."""
+        n = self.data_bytes(d)
+        check_record(rec, d, self.block, n, d // self.block, f"unpack_{self.name}_record")
+        return rec[..., :n], rec[..., n:]
+
+    def ops(self) -> tuple[Callable, ...]:
+        """The format's public ops, in this order: quantize, dequantize, qdq, pack_record, unpack_record,
+        record_bytes (a format module binds them to its own names: ``quantize_fp8``, ...)."""
+        return self.quantize, self.dequantize, self.qdq, self.pack_record, self.unpack_record, self.record_bytes
+
+    def _check_data_and_scales(self, data: torch.Tensor, scales: torch.Tensor, op: str) -> int:
+        """Check ``data uint8[..., n]`` and ``scales uint8[..., D // block]``; return D."""
+        per_byte = 2 if self.packed else 1
+        n = check_last_dim(data, self.data_name, op, self.block // per_byte)
+        check_byte_tensor(data, self.data_name, op, n, data.shape[:-1])
+        check_byte_tensor(scales, "scales", op, n * per_byte // self.block, data.shape[:-1])
+        return n * per_byte
+
+    def _triton_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_quantize_rows(self.quantize_kernel, x, self.block, self.data_bytes(x.shape[1]), **self.constexprs)
+
+    def _triton_dequantize(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        d = data.shape[1] * (2 if self.packed else 1)
+        return triton_dequantize_rows(self.dequantize_kernel, data, scales, d, dtype, self.block, **self.constexprs)
 
 
 def resolve_on_device(op: str, x: torch.Tensor, named: dict, impl: str) -> str:

@@ -23,9 +23,14 @@ __NV_E2M1, cudaRoundNearest)``; on SM90 that is ``__nv_cvt_double_to_fp4`` in ``
 returns 0 for |x| <= 0.25 and then ORs in the input's sign bit (``res |= sign``): -0.0 -> 0x8.
 
 Packing: two codes per byte, the EVEN element in the LOW nibble: ``byte[i] = code[2i] | code[2i+1] << 4``.
+
+:func:`reference_quantize_e2m1` and :func:`reference_dequantize_e2m1` are the specs of both formats
+(``quant/fp4.py``, ``quant/mxfp4.py``), given the format's block size and scale encoding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -71,6 +76,41 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., D // 2]`` bytes -> ``[..., D]`` codes (inverse of :func:`pack_nibbles`)."""
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def reference_quantize_e2m1(
+    x: torch.Tensor,
+    block: int,
+    amax_floor: float,
+    scale_bytes: Callable[[torch.Tensor], torch.Tensor],
+    scale_to_float: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [R, D]`` -> ``(packed uint8[R, D // 2], scales uint8[R, D // block])``, in plain torch.
+
+    Per block: ``amax = max(max|x|, amax_floor)``, the scale byte ``scale_bytes(amax)`` (the format's rule),
+    ``q = x / scale_to_float(byte)`` (one fp32 division), then e2m1 codes rounded as described above.
+    """
+    r, d = x.shape
+    blocks = x.to(torch.float32).reshape(r, d // block, block)
+    amax = blocks.abs().amax(dim=-1).clamp_min(amax_floor)
+    scales = scale_bytes(amax)
+    q = blocks / scale_to_float(scales).unsqueeze(-1)
+    codes = e2m1_codes(q, torch.signbit(blocks)).reshape(r, d)  # -0.0 -> code 8, as the official kernel
+    return pack_nibbles(codes), scales
+
+
+def reference_dequantize_e2m1(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    block: int,
+    scale_to_float: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Rows ``packed uint8[R, D // 2]`` with ``scales uint8[R, D // block]`` -> ``dtype [R, D]``: each value
+    ``e2m1(code) * scale_to_float(scale)`` in fp32, then cast to ``dtype``."""
+    r, half = packed.shape
+    values = e2m1_to_float(unpack_nibbles(packed)).reshape(r, scales.shape[-1], block) * scale_to_float(scales).unsqueeze(-1)
+    return values.reshape(r, half * 2).to(dtype)
 
 
 @triton.jit

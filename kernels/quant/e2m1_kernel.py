@@ -7,31 +7,35 @@ One quantise kernel and one dequantise kernel, specialised at compile time by tw
   x / s is a correctly rounded division. True: an e8m0 byte, s = 2^ceil(log2(max(amax, 6 * 2^-126) / 6)),
   and x / s is a multiply by the exact reciprocal.
 
-The specs are the ``_reference_*`` functions of those modules; e2m1 rounding, sign and packing are in
-``quant/e2m1.py``. The launchers here are what their ``_triton_*`` functions call.
+The specs are ``reference_quantize_e2m1`` / ``reference_dequantize_e2m1`` (``quant/e2m1.py``, with each
+format's scale rule); e2m1 rounding, sign and packing are described there. :func:`e2m1_format` builds a
+format's ops (a ``RowBlockFormat``) from both.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import triton
 import triton.language as tl
 
-from flashtier.kernels.quant.e2m1 import _e2m1_code, _e2m1_to_f32, _sign_bit
+from flashtier.kernels.quant.e2m1 import (
+    _e2m1_code,
+    _e2m1_to_f32,
+    _sign_bit,
+    reference_dequantize_e2m1,
+    reference_quantize_e2m1,
+)
 from flashtier.kernels.quant.fp8_bits import (
     _e4m3_code,
     _e4m3_to_f32,
-    _e8m0_reciprocal,
-    _e8m0_scale_exponent,
+    _e8m0_scale,
     _e8m0_to_f32,
     _f32_to_bf16_rne,
 )
-from flashtier.kernels.quant.common import (
-    _row_block_offsets,
-    triton_dequantize_rows,
-    triton_qdq_rows,
-    triton_quantize_rows,
-)
+from flashtier.kernels.quant.common import RowBlockFormat, _row_block_offsets
 
 
 @triton.jit
@@ -61,11 +65,10 @@ def _quantize_e2m1_kernel(
     b_amax = tl.max(tl.abs(b_x), axis=1)
     if E8M0:
         b_amax = tl.maximum(b_amax, 7.052966104933725e-38)  # 6 * 2^-126, exact in fp32
-        b_sc = _e8m0_scale_exponent(b_amax, 6.0)  # a correctly rounded amax / 6 (div_rn)
+        b_sc, b_inv = _e8m0_scale(b_amax, 6.0)  # a correctly rounded amax / 6 (div_rn)
         # x * 2^-k equals x / 2^k bit for bit (one rounding of the same value): no division needed here.
-        b_inv = _e8m0_reciprocal(b_sc)[:, None]
-        c_lo = _e2m1_code(b_lo * b_inv, _sign_bit(b_lo))
-        c_hi = _e2m1_code(b_hi * b_inv, _sign_bit(b_hi))
+        c_lo = _e2m1_code(b_lo * b_inv[:, None], _sign_bit(b_lo))
+        c_hi = _e2m1_code(b_hi * b_inv[:, None], _sign_bit(b_hi))
     else:
         b_amax = tl.maximum(b_amax, 0.01171875)  # 6 * 2^-9
         # div_rn everywhere a quotient is rounded: GPU fp32 `/` may be approximate.
@@ -105,19 +108,29 @@ def _dequantize_e2m1_kernel(
     tl.store(p_out + o_x, b_v, mask=m_p)
 
 
-def triton_quantize_e2m1(x: torch.Tensor, block: int, e8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``x [R, D]`` -> ``(packed uint8[R, D // 2], scales uint8[R, D // block])``."""
-    return triton_quantize_rows(_quantize_e2m1_kernel, x, block, x.shape[1] // 2, BLOCK=block, E8M0=e8m0)
-
-
-def triton_e2m1_qdq(x: torch.Tensor, block: int, e8m0: bool) -> torch.Tensor:
-    """Rows ``x [R, D]`` quantised and decoded in one pass: fp32 ``[R, D]``."""
-    return triton_qdq_rows(_quantize_e2m1_kernel, x, block, BLOCK=block, E8M0=e8m0)
-
-
-def triton_dequantize_e2m1(
-    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int, e8m0: bool
-) -> torch.Tensor:
-    """Rows ``packed uint8[R, D // 2]`` with ``scales uint8[R, D // block]`` -> ``dtype [R, D]``."""
-    d = packed.shape[1] * 2
-    return triton_dequantize_rows(_dequantize_e2m1_kernel, packed, scales, d, dtype, block, BLOCK=block, E8M0=e8m0)
+def e2m1_format(
+    name: str,
+    block: int,
+    e8m0: bool,
+    amax_floor: float,
+    scale_bytes: Callable[[torch.Tensor], torch.Tensor],
+    scale_to_float: Callable[[torch.Tensor], torch.Tensor],
+) -> RowBlockFormat:
+    """The ops of one e2m1 format: its spec (``reference_*_e2m1`` of ``quant/e2m1.py`` with the format's
+    ``block``, ``amax_floor`` and scale encoding) and the kernels above (``E8M0`` picks the scale kind)."""
+    return RowBlockFormat(
+        name,
+        block,
+        packed=True,
+        reference_quantize=partial(
+            reference_quantize_e2m1,
+            block=block,
+            amax_floor=amax_floor,
+            scale_bytes=scale_bytes,
+            scale_to_float=scale_to_float,
+        ),
+        reference_dequantize=partial(reference_dequantize_e2m1, block=block, scale_to_float=scale_to_float),
+        quantize_kernel=_quantize_e2m1_kernel,
+        dequantize_kernel=_dequantize_e2m1_kernel,
+        constexprs={"BLOCK": block, "E8M0": e8m0},
+    )

@@ -8,7 +8,23 @@ Per block of 32 consecutive elements of the last dimension:
 
 Byte layout of one vector of D elements (D % 32 == 0): ``codes uint8[D]`` then ``scales uint8[D // 32]``;
 :func:`pack_fp8_record` concatenates them (D = 512 gives the 528-byte window-KV slot).
-Non-finite inputs are outside the contract (their codes are unspecified).
+Non-finite inputs are outside the contract (their codes are unspecified). The Triton helpers
+``_fp8_scale``, ``_fp8_codes`` and ``_fp8_values`` state this rule once for every FP8 kernel
+(these rows, the 2-D weight blocks of ``quant/fp8_weight.py``, the MoE tiles).
+
+Ops (``impl``: "auto" = Triton on CUDA, else the reference; "reference" or "triton"; both give identical bytes):
+
+    quantize_fp8(x [..., D] fp32/bf16/fp16)       -> (codes uint8[..., D], scales uint8[..., D // 32]): raw
+                                                     e4m3fn bytes, a scale byte b meaning 2^(b - 127)
+    dequantize_fp8(codes, scales, dtype=fp32)     -> dtype [..., D]: e4m3(code) * 2^(scale - 127), exact in
+                                                     fp32; bf16 / fp16 round to nearest even
+    fp8_qdq(x)                                    -> dequantize_fp8(*quantize_fp8(x)) in fp32 (fused on GPU)
+    pack_fp8_record / unpack_fp8_record(rec, D), FP8_RECORD_BYTES(D)
+
+Example::
+
+    codes, scales = quantize_fp8(torch.full((1, 32), 448.0))
+    # codes[0, 0] == 0x7E (448), scales[0, 0] == 127 (s = 1)
 """
 
 from __future__ import annotations
@@ -17,12 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtier.kernels.quant.common import RowBlockFormat, _row_block_offsets
 from flashtier.kernels.quant.fp8_bits import (
     E4M3_MAX,
     _e4m3_code,
     _e4m3_to_f32,
-    _e8m0_reciprocal,
-    _e8m0_scale_exponent,
+    _e8m0_scale,
     _e8m0_to_f32,
     _f32_to_bf16_rne,
     e4m3_bytes,
@@ -30,107 +46,30 @@ from flashtier.kernels.quant.fp8_bits import (
     e8m0_scale_bytes,
     e8m0_to_float,
 )
-from flashtier.kernels.quant.common import (
-    _row_block_offsets,
-    as_rows,
-    check_byte_tensor,
-    check_float_input,
-    check_last_dim,
-    check_out_dtype,
-    check_record,
-    check_same_device,
-    resolve_impl,
-    triton_dequantize_rows,
-    triton_qdq_rows,
-    triton_quantize_rows,
-)
 
 FP8_BLOCK = 32
 FP8_AMAX_FLOOR = 1e-4
 
 
-def FP8_RECORD_BYTES(D: int) -> int:  # noqa: N802 (named like the constant it stands for)
-    """Bytes of one packed FP8 record for a vector of ``D`` elements: D code bytes + D // 32 scale bytes."""
-    if D <= 0 or D % FP8_BLOCK != 0:
-        raise ValueError(f"FP8_RECORD_BYTES: D must be a positive multiple of {FP8_BLOCK}, got {D}")
-    return D + D // FP8_BLOCK
+def reference_fp8_blocks(blocks: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule in plain torch: ``(codes uint8, scales uint8)`` of fp32 ``blocks`` whose axes ``dims`` span a block.
 
-
-def quantize_fp8(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``x [..., D]`` (fp32/bf16/fp16, D % 32 == 0) to e4m3fn codes with ue8m0 scales per 32.
-
-    Returns ``(codes uint8[..., D], scales uint8[..., D // 32])``: codes are raw e4m3fn bytes, a scale byte b
-    means 2^(b - 127). ``impl``: "auto" (triton on CUDA, else reference), "reference" or "triton"; both
-    give identical bytes.
-
-    Example::
-
-        codes, scales = quantize_fp8(torch.full((1, 32), 448.0))
-        # codes[0, 0] == 0x7E (448), scales[0, 0] == 127 (s = 1)
+    ``codes`` has the shape of ``blocks``; ``scales`` that shape without ``dims``. Rounding: ``amax / 448`` is
+    one correctly rounded fp32 division, then rounded UP to a power of two with the exponent bit trick (so
+    |x / s| <= 448 and the scale never clips the block's largest element); ``x / s`` is exact (s is a power
+    of two; only fp32 subnormals round); the e4m3 cast rounds to nearest even.
     """
-    check_float_input(x, "x", "quantize_fp8", FP8_BLOCK)
-    impl = resolve_impl(impl, x, "quantize_fp8")
-    d = x.shape[-1]
-    rows = as_rows(x)
-    fn = _reference_quantize_fp8 if impl == "reference" else _triton_quantize_fp8
-    codes, scales = fn(rows)
-    return codes.reshape(x.shape), scales.reshape(*x.shape[:-1], d // FP8_BLOCK)
-
-
-def dequantize_fp8(
-    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto"
-) -> torch.Tensor:
-    """Decode ``codes uint8[..., D]`` with ``scales uint8[..., D // 32]`` to ``dtype [..., D]``.
-
-    Each value is e4m3(code) * 2^(scale - 127), exact in fp32; the cast to bf16/fp16 rounds to nearest even.
-    """
-    d = check_last_dim(codes, "codes", "dequantize_fp8", FP8_BLOCK)
-    check_byte_tensor(codes, "codes", "dequantize_fp8", d, codes.shape[:-1])
-    check_byte_tensor(scales, "scales", "dequantize_fp8", d // FP8_BLOCK, codes.shape[:-1])
-    check_same_device(codes, scales, "codes and scales", "dequantize_fp8")
-    check_out_dtype(dtype, "dequantize_fp8")
-    impl = resolve_impl(impl, codes, "dequantize_fp8")
-    fn = _reference_dequantize_fp8 if impl == "reference" else _triton_dequantize_fp8
-    return fn(as_rows(codes), as_rows(scales), dtype).reshape(codes.shape)
-
-
-def fp8_qdq(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """``dequantize_fp8(*quantize_fp8(x))`` in fp32: the model's in-line fake quantisation (fused on GPU)."""
-    check_float_input(x, "x", "fp8_qdq", FP8_BLOCK)
-    impl = resolve_impl(impl, x, "fp8_qdq")
-    rows = as_rows(x)
-    if impl == "reference":
-        return _reference_dequantize_fp8(*_reference_quantize_fp8(rows), torch.float32).reshape(x.shape)
-    return _triton_fp8_qdq(rows).reshape(x.shape)
-
-
-def pack_fp8_record(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``codes uint8[..., D]`` + ``scales uint8[..., D // 32]`` -> ``uint8[..., D + D // 32]`` (data, then scales)."""
-    d = check_last_dim(codes, "codes", "pack_fp8_record", FP8_BLOCK)
-    check_byte_tensor(codes, "codes", "pack_fp8_record", d, codes.shape[:-1])
-    check_byte_tensor(scales, "scales", "pack_fp8_record", d // FP8_BLOCK, codes.shape[:-1])
-    return torch.cat((codes, scales), dim=-1)
-
-
-def unpack_fp8_record(rec: torch.Tensor, D: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: N803
-    """Split ``rec uint8[..., D + D // 32]`` into ``(codes [..., D], scales [..., D // 32])`` (views of ``rec``)."""
-    check_record(rec, D, FP8_BLOCK, D, D // FP8_BLOCK, "unpack_fp8_record")
-    return rec[..., :D], rec[..., D:]
+    amax = blocks.abs().amax(dim=dims, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+    scales = e8m0_scale_bytes(amax, E4M3_MAX)
+    q = (blocks / e8m0_to_float(scales)).clamp(-E4M3_MAX, E4M3_MAX)
+    return e4m3_bytes(q), scales.squeeze(dims)
 
 
 def _reference_quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec, in plain torch: ``x [R, D]`` -> ``(codes uint8[R, D], scales uint8[R, D // 32])``.
-
-    Rounding: ``amax / 448`` is one correctly rounded fp32 division, then rounded UP to a power of two
-    with the exponent bit trick (so |x / s| <= 448 and the scale never clips the block's largest element);
-    ``x / s`` is exact (s is a power of two; only fp32 subnormals round); the e4m3 cast rounds to nearest even.
-    """
+    """The spec, in plain torch: ``x [R, D]`` -> ``(codes uint8[R, D], scales uint8[R, D // 32])``."""
     r, d = x.shape
-    blocks = x.to(torch.float32).reshape(r, d // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR)
-    scales = e8m0_scale_bytes(amax, E4M3_MAX)
-    q = (blocks / e8m0_to_float(scales).unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
-    return e4m3_bytes(q).reshape(r, d), scales
+    codes, scales = reference_fp8_blocks(x.to(torch.float32).reshape(r, d // FP8_BLOCK, FP8_BLOCK), (-1,))
+    return codes.reshape(r, d), scales
 
 
 def _reference_dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -141,18 +80,38 @@ def _reference_dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: 
 
 
 @triton.jit
+def _fp8_scale(b_amax):
+    """``(int32 e8m0 byte, exact fp32 reciprocal)`` of a block's scale 2^ceil(log2(max(amax, 1e-4) / 448)),
+    from fp32 ``b_amax = max|x|`` (a correctly rounded amax / 448: div_rn)."""
+    return _e8m0_scale(tl.maximum(b_amax, 1e-4), 448.0)
+
+
+@triton.jit
+def _fp8_codes(b_x, b_inv):
+    """int32 e4m3 codes of fp32 ``b_x / s``, clamped to +-448; ``b_inv`` = 1 / s, broadcast to ``b_x``."""
+    # x * 2^-k equals x / 2^k bit for bit (one rounding of the same value): no division needed here.
+    return _e4m3_code(tl.minimum(tl.maximum(b_x * b_inv, -448.0), 448.0))
+
+
+@triton.jit
+def _fp8_values(b_code, b_exp, OUT_BF16: tl.constexpr):
+    """e4m3(code) * 2^(b_exp - 127), exact in fp32, rounded to bf16 (RNE) when ``OUT_BF16`` (``b_exp`` broadcast)."""
+    b_v = _e4m3_to_f32(b_code) * _e8m0_to_f32(b_exp)
+    if OUT_BF16:
+        b_v = _f32_to_bf16_rne(b_v)
+    return b_v
+
+
+@triton.jit
 def _quantize_fp8_kernel(p_x, p_codes, p_scales, p_out, n_groups, BLOCK_G: tl.constexpr, QDQ: tl.constexpr):
     # One program quantises BLOCK_G consecutive 32-element blocks of the flattened rows (D % 32 == 0, so a
     # block never straddles two rows). Traffic per block: read 32 inputs; write 32 + 1 bytes, or 32 fp32 (QDQ).
     o_g, o_x, m_g = _row_block_offsets(n_groups, 32, BLOCK_G)
     b_x = tl.load(p_x + o_x, mask=m_g[:, None], other=0.0).to(tl.float32)
-    b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), 1e-4)
-    b_exp = _e8m0_scale_exponent(b_amax, 448.0)  # a correctly rounded amax / 448 (div_rn)
-    # x * 2^-k equals x / 2^k bit for bit (one rounding of the same value): no division needed here.
-    b_q = b_x * _e8m0_reciprocal(b_exp)[:, None]
-    b_code = _e4m3_code(tl.minimum(tl.maximum(b_q, -448.0), 448.0))
+    b_exp, b_inv = _fp8_scale(tl.max(tl.abs(b_x), axis=1))
+    b_code = _fp8_codes(b_x, b_inv[:, None])
     if QDQ:
-        tl.store(p_out + o_x, _e4m3_to_f32(b_code) * _e8m0_to_f32(b_exp)[:, None], mask=m_g[:, None])
+        tl.store(p_out + o_x, _fp8_values(b_code, b_exp[:, None], False), mask=m_g[:, None])
     else:
         tl.store(p_codes + o_x, b_code.to(tl.uint8), mask=m_g[:, None])
         tl.store(p_scales + o_g, b_exp.to(tl.uint8), mask=m_g)
@@ -163,19 +122,19 @@ def _dequantize_fp8_kernel(p_codes, p_scales, p_out, n_groups, BLOCK_G: tl.const
     o_g, o_x, m_g = _row_block_offsets(n_groups, 32, BLOCK_G)
     b_code = tl.load(p_codes + o_x, mask=m_g[:, None], other=0).to(tl.int32)
     b_exp = tl.load(p_scales + o_g, mask=m_g, other=127).to(tl.int32)
-    b_v = _e4m3_to_f32(b_code) * _e8m0_to_f32(b_exp)[:, None]
-    if OUT_BF16:
-        b_v = _f32_to_bf16_rne(b_v)
-    tl.store(p_out + o_x, b_v, mask=m_g[:, None])
+    tl.store(p_out + o_x, _fp8_values(b_code, b_exp[:, None], OUT_BF16), mask=m_g[:, None])
 
 
-def _triton_quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return triton_quantize_rows(_quantize_fp8_kernel, x, FP8_BLOCK, x.shape[1])
+FP8 = RowBlockFormat(
+    "fp8",
+    FP8_BLOCK,
+    packed=False,
+    reference_quantize=_reference_quantize_fp8,
+    reference_dequantize=_reference_dequantize_fp8,
+    quantize_kernel=_quantize_fp8_kernel,
+    dequantize_kernel=_dequantize_fp8_kernel,
+)
 
 
-def _triton_fp8_qdq(x: torch.Tensor) -> torch.Tensor:
-    return triton_qdq_rows(_quantize_fp8_kernel, x, FP8_BLOCK)
-
-
-def _triton_dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return triton_dequantize_rows(_dequantize_fp8_kernel, codes, scales, codes.shape[1], dtype, FP8_BLOCK)
+# The public ops: ``RowBlockFormat``'s methods (``quant/common.py``), named ``*_fp8*`` in their errors.
+quantize_fp8, dequantize_fp8, fp8_qdq, pack_fp8_record, unpack_fp8_record, FP8_RECORD_BYTES = FP8.ops()

@@ -97,6 +97,14 @@ def _e8m0_reciprocal(b):
 
 
 @triton.jit
+def _e8m0_scale(amax, QMAX: tl.constexpr):
+    """``(b, inv)``: the int32 e8m0 byte ``b`` of s = 2^ceil(log2(amax / QMAX)) (:func:`_e8m0_scale_exponent`)
+    and the exact fp32 1 / s (:func:`_e8m0_reciprocal`), by which the quantisers multiply instead of dividing."""
+    b = _e8m0_scale_exponent(amax, QMAX)
+    return b, _e8m0_reciprocal(b)
+
+
+@triton.jit
 def _e4m3_code(v):
     """Raw e4m3fn byte (int32) of fp32 ``v`` with |v| <= 448, round-to-nearest-even, sign kept (-0.0 -> 0x80).
 

@@ -17,21 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtier.kernels.quant.fp8_bits import (
-    E4M3_MAX,
-    _e4m3_code,
-    _e4m3_to_f32,
-    _e8m0_reciprocal,
-    _e8m0_scale_exponent,
-    _e8m0_to_f32,
-    _f32_to_bf16_rne,
-    e4m3_bytes,
-    e4m3_to_float,
-    e8m0_scale_bytes,
-    e8m0_to_float,
-)
 from flashtier.kernels.quant.common import FLOAT_DTYPES, check_out_dtype, check_same_device, resolve_impl
-from flashtier.kernels.quant.fp8 import FP8_AMAX_FLOOR
+from flashtier.kernels.quant.fp8 import _fp8_codes, _fp8_scale, _fp8_values, reference_fp8_blocks
+from flashtier.kernels.quant.fp8_bits import e4m3_to_float, e8m0_to_float
 
 _MAX_BLOCK_ELEMS = 128 * 128  # one block is one Triton tile
 _TILE_ELEMS = 1024  # small blocks (e.g. 1 x 32) are grouped so that a program covers about this many elements
@@ -123,19 +111,15 @@ def _check_block(block: tuple[int, int], op: str) -> tuple[int, int]:
 def _reference_quantize_fp8_weight(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec, in plain torch: ``w [N, K]`` -> ``(codes uint8[N, K], scales uint8[ceil(N/bn), ceil(K/bk)])``.
 
-    Ragged edge blocks are zero-padded, which leaves amax unchanged. Rounding as in ``quant_fp8``: one
-    correctly rounded ``amax / 448`` rounded UP to a power of two, an exact ``w / s``, an RNE e4m3 cast.
+    Ragged edge blocks are zero-padded, which leaves amax unchanged; each block then follows the window-KV
+    FP8 rule (``reference_fp8_blocks`` of ``quant/fp8.py``).
     """
     n, k = w.shape
     nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
     padded = torch.zeros((nb * bn, kb * bk), dtype=torch.float32, device=w.device)
     padded[:n, :k] = w
-    blocks = padded.reshape(nb, bn, kb, bk)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(FP8_AMAX_FLOOR)
-    scales = e8m0_scale_bytes(amax, E4M3_MAX)
-    q = (blocks / e8m0_to_float(scales)[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
-    codes = e4m3_bytes(q).reshape(nb * bn, kb * bk)[:n, :k].contiguous()
-    return codes, scales
+    codes, scales = reference_fp8_blocks(padded.reshape(nb, bn, kb, bk), (1, 3))
+    return codes.reshape(nb * bn, kb * bk)[:n, :k].contiguous(), scales
 
 
 def _reference_dequantize_fp8_weight(
@@ -166,11 +150,8 @@ def _quantize_fp8_weight_kernel(
     # Traffic per block: read BN * BK weights, write BN * BK + 1 bytes.
     i_kb, o_b, o_r, o_c, m, m_b = _fp8_weight_tile(tl.program_id(0).to(tl.int64), n, k, n_nb, n_kb, BN, BK, G)
     b_w = tl.load(p_w + o_r * stride_wn + o_c * stride_wk, mask=m, other=0.0).to(tl.float32)
-    b_amax = tl.maximum(tl.max(tl.max(tl.abs(b_w), axis=2), axis=1), 1e-4)
-    b_exp = _e8m0_scale_exponent(b_amax, 448.0)  # a correctly rounded amax / 448 (div_rn)
-    # x * 2^-k equals x / 2^k bit for bit (one rounding of the same value): no division needed here.
-    b_q = b_w * _e8m0_reciprocal(b_exp)[:, None, None]
-    b_code = _e4m3_code(tl.minimum(tl.maximum(b_q, -448.0), 448.0))
+    b_exp, b_inv = _fp8_scale(tl.max(tl.max(tl.abs(b_w), axis=2), axis=1))
+    b_code = _fp8_codes(b_w, b_inv[:, None, None])
     tl.store(p_q + o_r * k + o_c, b_code.to(tl.uint8), mask=m)
     tl.store(p_s + o_b * n_kb + i_kb, b_exp.to(tl.uint8), mask=m_b)
 
@@ -182,10 +163,7 @@ def _dequantize_fp8_weight_kernel(
     i_kb, o_b, o_r, o_c, m, m_b = _fp8_weight_tile(tl.program_id(0).to(tl.int64), n, k, n_nb, n_kb, BN, BK, G)
     b_code = tl.load(p_q + o_r * k + o_c, mask=m, other=0).to(tl.int32)
     b_exp = tl.load(p_s + o_b * n_kb + i_kb, mask=m_b, other=127).to(tl.int32)
-    b_v = _e4m3_to_f32(b_code) * _e8m0_to_f32(b_exp)[:, None, None]
-    if OUT_BF16:
-        b_v = _f32_to_bf16_rne(b_v)
-    tl.store(p_out + o_r * k + o_c, b_v, mask=m)
+    tl.store(p_out + o_r * k + o_c, _fp8_values(b_code, b_exp[:, None, None], OUT_BF16), mask=m)
 
 
 def _tile_groups(n_nb: int, bn: int, bk: int) -> int:

@@ -30,10 +30,11 @@ or block id out of range reads as an absent key; the reference raises ``ValueErr
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
-from flashtier.kernels.quant.common import resolve_impl
+from flashtier.kernels.quant.common import check_tensor, resolve_impl
 from flashtier.kernels.sparse_mqa.kernel import SparseMQAConfig, sparse_mqa_decode_triton
 from flashtier.kernels.sparse_mqa.reference import sparse_mqa_decode_reference
 
@@ -45,16 +46,7 @@ _OP = "sparse_mqa_decode"
 DEFAULT_CONFIG = SparseMQAConfig()
 
 
-def _check_tensor(t, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...]) -> None:
-    """``t`` is a tensor of one of ``dtypes`` with ``len(shape)`` dims; ``None`` in ``shape`` = any size."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"{_OP}: {name} must be {names}, got {t.dtype} (shape {tuple(t.shape)})")
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
-        raise ValueError(f"{_OP}: {name} must have shape {want}, got {tuple(t.shape)}")
+_check_tensor = partial(check_tensor, op=_OP)
 
 
 def _validate(q, sel_idx, sel_count, pool, block_table, window, win_start, win_count, sink, scale, out, impl):

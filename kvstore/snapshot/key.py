@@ -69,6 +69,15 @@ def directory_key(namespace: BlockHash, block_hash: BlockHash) -> str:
     return _DIR_PREFIX + _tag(namespace, block_hash)
 
 
+def namespace_patterns(namespace: BlockHash) -> tuple[str, str]:
+    """Redis ``SCAN MATCH`` patterns of every point key and every directory key of ``namespace``: the
+    namespace is the first half of the hash tag, so ``ft:snap:{<ns hex>:*`` and ``ft:snapdir:{<ns hex>:*``
+    (braces are literal in Redis patterns, hex needs no escaping)."""
+    if not isinstance(namespace, BlockHash):
+        raise ValueError("namespace_patterns needs a BlockHash (a namespace root)")
+    return f"{_SNAP_PREFIX}{{{namespace.hex()}:*", f"{_DIR_PREFIX}{{{namespace.hex()}:*"
+
+
 @dataclass(frozen=True, slots=True)
 class SnapshotKey:
     """Identity of one snapshot point; hashable, so the embedded pool uses it as a dict key."""

@@ -22,7 +22,7 @@ import abc
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from flashtier.kvstore.block_hash import BlockHash
@@ -92,6 +92,14 @@ def _check_dirs(namespace: object, block_hashes: object) -> list[BlockHash]:
     return list(block_hashes)
 
 
+def _check_namespaces(namespaces: object) -> frozenset[BlockHash]:
+    if isinstance(namespaces, (str, bytes)) or not isinstance(namespaces, Collection):
+        raise ValueError(f"delete_namespaces() needs a collection of BlockHash values, got {type(namespaces).__name__}")
+    if not all(isinstance(ns, BlockHash) for ns in namespaces):
+        raise ValueError("delete_namespaces() needs BlockHash values (namespace roots)")
+    return frozenset(namespaces)
+
+
 class SnapshotPool(abc.ABC):
     """Async store of encoder snapshots keyed by ``SnapshotKey``; failures are counted misses, never raised.
 
@@ -135,6 +143,16 @@ class SnapshotPool(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections/memory. Later calls behave as a pool that is down (counted failures)."""
+
+    async def delete_namespaces(self, namespaces: Collection[BlockHash]) -> int:
+        """Remove every snapshot (and directory) whose key's namespace root is one of ``namespaces``: a tenant's
+        deletion (its namespaces: the engine's ``tenant_namespaces``). Returns the snapshots removed.
+
+        Unlike the other operations a failure is raised (the pool's error, or RuntimeError for a closed
+        pool): an operator's deletion must not look done when it is not. ValueError for a namespace that
+        is not a BlockHash. Both pools override it; this default raises NotImplementedError.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot delete by namespace")
 
     def stats(self) -> SnapshotStats:
         st = self._stats
@@ -297,6 +315,60 @@ class EmbeddedSnapshotPool(SnapshotPool):
             if self._closed or self._live(key, self._clock()) is None:
                 return False
             self._remove(key)
+            return True
+
+    async def delete_namespaces(self, namespaces: Collection[BlockHash]) -> int:
+        """See ``SnapshotPool.delete_namespaces``. Mutates the entries, both orders and the directories under
+        the lock, in one pass over the entries (O(snapshots held): the byte budget bounds them to hundreds).
+        RuntimeError on a closed pool (nothing is held then)."""
+        wanted = _check_namespaces(namespaces)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the snapshot pool is closed")
+            victims = [key for key in self._lru if key.namespace in wanted]
+            for key in victims:
+                self._remove(key)
+            return len(victims)
+
+    def live_entries(self) -> list[tuple[SnapshotKey, bytes, float]]:
+        """(key, payload, seconds of TTL left) of every live entry, least recently used first (what
+        kvstore/snapshot/persist.py saves at a clean shutdown). Mutates: drops expired entries (counted in
+        ``expirations``). Empty once closed."""
+        with self._lock:
+            if self._closed:
+                return []
+            now = self._clock()
+            self._expire(now)
+            return [(key, e.payload, e.expires_at - now) for key, e in self._lru.items()]
+
+    def restore_entry(self, key: SnapshotKey, payload: bytes, ttl_left_s: float) -> bool:
+        """Insert a snapshot an earlier process saved, with ``ttl_left_s`` (capped at ``ttl_s``) of its TTL
+        left: its expiry is not restarted. Otherwise a ``put`` (budget, LRU eviction, directory, counted as
+        a put). False, and nothing stored, when no TTL is left, the pool is closed or the value is larger
+        than the budget. ValueError for a key or payload of the wrong type."""
+        key, payload = _check_key(key), _check_payload(payload)
+        size = HEADER_BYTES + len(payload)
+        with self._lock:
+            if self._closed or size > self.budget_bytes or not ttl_left_s > 0:
+                return False
+            now = self._clock()
+            if key in self._lru:
+                self._remove(key)
+            while self._bytes + size > self.budget_bytes:
+                self._remove(next(iter(self._lru)))
+                self._stats.evictions += 1
+            expires_at = now + min(ttl_left_s, self.ttl_s)
+            self._lru[key] = _Entry(payload, expires_at)
+            # ``_by_put`` must stay in expiry order: restored in expiry order (persist.py), each goes last at once
+            later = [] if not self._by_put or self._lru[next(reversed(self._by_put))].expires_at <= expires_at else [
+                k for k in self._by_put if self._lru[k].expires_at > expires_at]
+            self._by_put[key] = None
+            for k in later:
+                self._by_put.move_to_end(k)
+            self._bytes += size
+            self._dirs.setdefault((key.namespace, key.block_hash), {})[key.tail_len] = key
+            self._stats.puts += 1
+            self._stats.bytes_written += size
             return True
 
     async def close(self) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -58,7 +58,8 @@ from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.circuit_breaker import CircuitBreaker, Permit
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.redis_url import parse_redis_url
-from flashtier.kvstore.snapshot.key import HEADER_BYTES, Snapshot, SnapshotCorrupt, SnapshotKey, directory_key
+from flashtier.kvstore.snapshot.key import (HEADER_BYTES, Snapshot, SnapshotCorrupt, SnapshotKey, directory_key,
+                                            namespace_patterns)
 from flashtier.kvstore.snapshot.pool import (
     EmbeddedSnapshotPool,
     SnapshotPool,
@@ -66,6 +67,7 @@ from flashtier.kvstore.snapshot.pool import (
     _check_dir,
     _check_dirs,
     _check_key,
+    _check_namespaces,
     _check_payload,
 )
 
@@ -269,6 +271,46 @@ class RedisSnapshotPool(SnapshotPool):
         args = (key.redis_key(), key.directory_key(), str(key.tail_len), key.tail_hash.hex())
         ok, n = await self._call("delete", lambda: self._client.eval(_DELETE_LUA, 2, *args))
         return bool(ok and n)
+
+    async def delete_namespaces(self, namespaces: Collection[BlockHash]) -> int:
+        """See ``SnapshotPool.delete_namespaces``: for each namespace, ``SCAN MATCH`` over the keys of its
+        points and directories (``ft:snap:{<ns hex>:*``, ``ft:snapdir:{<ns hex>:*``: the namespace is the
+        first half of the hash tag, snapshot/key.py), then ``UNLINK`` in batches. One SCAN pass per
+        namespace; each round trip under ``timeout_s``. On Redis Cluster ``scan_iter`` walks every primary.
+
+        Mutates Redis only. Failure: the Redis error (or TimeoutError) is raised, not counted as a miss;
+        the keys unlinked before it are gone. The circuit breaker is bypassed: an operator's deletion
+        asks Redis even while lookups skip it. RuntimeError on a closed pool.
+        """
+        wanted = _check_namespaces(namespaces)
+        if self._closed:
+            raise RuntimeError("the snapshot pool is closed")
+        removed = 0
+        for ns in sorted(wanted, key=lambda h: h.digest):
+            points, directories = namespace_patterns(ns)
+            for pattern, counts in ((points, True), (directories, False)):
+                batch: list[bytes] = []
+                scan = self._client.scan_iter(match=pattern, count=1000)
+                while True:
+                    try:
+                        key = await asyncio.wait_for(anext(scan), self.timeout_s)
+                    except StopAsyncIteration:
+                        break
+                    batch.append(key)
+                    if len(batch) >= 500:
+                        n = await self._unlink(batch)
+                        removed += n if counts else 0
+                        batch = []
+                if batch:
+                    n = await self._unlink(batch)
+                    removed += n if counts else 0
+        return removed
+
+    async def _unlink(self, keys: list[bytes]) -> int:
+        """UNLINK ``keys`` (one per call on a cluster: keys of several slots); the number that existed."""
+        if self.target.cluster:
+            return sum([await asyncio.wait_for(self._client.unlink(k), self.timeout_s) for k in keys])
+        return await asyncio.wait_for(self._client.unlink(*keys), self.timeout_s)
 
     async def close(self) -> None:
         if self._closed:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,6 +69,10 @@ def preflight(settings: ServerSettings) -> list[str]:
         check_kv_dir(kv.ssd_dir)  # first: the record size needs the engine's KV accounting (seconds of imports)
         check_segment_fits(cfg, kv)
     warnings = []
+    if kv.ssd_dir is not None:
+        warning = disk_budget_warning(kv.ssd_dir, kv.ssd_budget_bytes)
+        if warning is not None:
+            warnings.append(warning)
     if kv.redis_url is not None:
         warning = probe_redis(kv.redis_url)
         if warning is not None:
@@ -76,6 +81,26 @@ def preflight(settings: ServerSettings) -> list[str]:
         warnings.append("--cache-isolation per-key without --api-key: no request carries a checked key, so "
                         "all requests are one tenant (as with shared); set --api-key to isolate tenants")
     return warnings
+
+
+def disk_budget_warning(kv_dir: str, budget: int) -> str | None:
+    """A warning when --kv-disk-budget exceeds what the SSD tier's file system can give it: its free space plus
+    what the tier's own files already hold (they count against the budget). None when it fits."""
+    path = os.path.abspath(os.path.expanduser(kv_dir))
+    while not os.path.exists(path):  # check_kv_dir creates it; before that, the closest existing parent
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    held = 0
+    if os.path.isdir(kv_dir):
+        for root, _, files in os.walk(kv_dir):
+            held += sum(os.path.getsize(os.path.join(root, f)) for f in files
+                        if os.path.isfile(os.path.join(root, f)))
+    if budget <= free + held:
+        return None
+    gib = 1 << 30
+    return (f"--kv-disk-budget {format_size(budget)} exceeds the space the SSD tier can have: {free / gib:.1f} GiB "
+            f"free where {kv_dir} lives + {held / gib:.1f} GiB of its own files; writes will fail (ENOSPC) before "
+            f"the budget is reached: set --kv-disk-budget below the free space")
 
 
 def check_device(device: str | None) -> None:

@@ -41,6 +41,17 @@ def _int(text: str) -> int:
         raise ValueError(f"expected an integer, got {text!r}") from None
 
 
+def _graph_sizes(text: str) -> tuple[int, ...]:
+    """``1,8,64`` -> (1, 8, 64): positive, strictly increasing."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated batch sizes such as 1,8,64, got {text!r}") from None
+    if not sizes or min(sizes) < 1 or list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"batch sizes must be positive and increasing, got {text!r}")
+    return sizes
+
+
 def _parse_port(text: str) -> int:
     port = _int(text)
     if not 0 <= port <= 65535:
@@ -272,6 +283,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", "--port", _parse_port, 8000, "TCP port"),
     Option("api_key", "--api-key", str, (), "API key(s) accepted as `Authorization: Bearer KEY` on /v1/*: "
            "repeat the flag, list several after it, or separate them with commas", kind="list"),
+    Option("admin_api_key", "--admin-api-key", str, None, "key of the admin routes (/admin/v1/*: "
+           "POST /admin/v1/tenants/delete), sent as `Authorization: Bearer KEY`; unset: the admin routes "
+           "answer 404"),
     Option("cache_isolation", "--cache-isolation", _choice(*CACHE_ISOLATION_MODES), "shared", "shared: "
            "requests share cached prefixes (cache_salt separates them); per-key: each API key is its own "
            "tenant in every tier (HBM, SSD, snapshots), and cache_salt applies within a key"),
@@ -328,6 +342,12 @@ OPTIONS: tuple[Option, ...] = (
            "while the drafter's confidence that it and every draft before it are accepted stays >= this"),
     Option("enforce_eager", "--enforce-eager", _parse_bool, False, "run every step eagerly (no CUDA graphs for "
            "the decoder part of decode steps)", kind="bool"),
+    Option("warmup", "--warmup", _parse_bool, None, "before /health reports ready, run throwaway batches at every "
+           "CUDA-graph size so kernels compile and graphs capture off the request path (default: on with CUDA, "
+           "off on the CPU and under TRITON_INTERPRET); --no-warmup turns it off", kind="bool"),
+    Option("cuda_graph_sizes", "--cuda-graph-sizes", _graph_sizes, None, "decode batch sizes captured as CUDA "
+           "graphs and warmed up, comma-separated (default: 1,2,4,8,16,24,32,48,64,96,128,192,256 up to "
+           "--max-num-seqs); a batch between two sizes runs padded to the larger"),
     # -- kvstore
     Option("block_size", "--block-size", _block_size, 64, "tokens per KV block (a multiple of 8)"),
     Option("num_blocks", "--num-blocks", _num_blocks, None, "HBM pool size in blocks (overrides "

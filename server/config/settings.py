@@ -47,10 +47,20 @@ __all__ = ["ENV_PREFIX", "OPTIONS", "ServerSettings", "add_serve_arguments", "bu
            "default_cache_dir"]
 
 DEMO_PRESET = "tiny"
-DEMO_NOTE = (
-    "demo model: the 'tiny' preset with seeded random weights; its text is not meaningful "
-    "(pass a MODEL_DIR to serve a real checkpoint)"
-)
+def default_kv_dir(cache_dir: str, model_dir: str | None) -> str:
+    """Where ``serve`` keeps the SSD tier without --kv-dir: CACHE_DIR/kv/<the model directory's name> (the demo:
+    CACHE_DIR/kv/demo-tiny). The ``kv`` tools default to the same directory."""
+    label = Path(model_dir).resolve().name if model_dir else "demo-tiny"
+    return os.path.join(cache_dir, "kv", label)
+
+
+def demo_note(preset: str) -> str:
+    """What the start-up log and /v1/models say about a demo model: the preset actually served."""
+    return (f"demo model: the '{preset}' preset with seeded random weights; its text is not meaningful "
+            "(pass a MODEL_DIR to serve a real checkpoint)")
+
+
+DEMO_NOTE = demo_note(DEMO_PRESET)
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: tuple[str, ...] = ()
+    admin_api_key: str | None = None  # /admin/v1/* (server/routes_admin.py); None: those routes answer 404
     cache_isolation: str = "shared"  # shared | per-key (CACHE_ISOLATION_MODES)
     max_request_bytes: int = 64 << 20
     max_tokenize_bytes: int = 8 << 20  # /tokenize, /detokenize (app.py)
@@ -89,6 +100,8 @@ class ServerSettings:
     speculative: int = 0  # drafts verified per step (0: off), --speculative / --speculative-config
     speculative_min_confidence: float = 0.1
     enforce_eager: bool = False  # no CUDA graphs (vLLM's --enforce-eager)
+    warmup: bool | None = None  # None: on with CUDA unless TRITON_INTERPRET (engine_config)
+    cuda_graph_sizes: tuple[int, ...] | None = None  # None: the engine's CAPTURE_SIZES up to max_num_seqs
     tensor_parallel_size: int = 1  # > 1: one rank process each (engine/parallel/executor.py), tiers off
     expert_parallel: bool = False
     response_store_ttl_s: float = 24 * 3600.0  # --response-store-ttl (server/response_store/store.py)
@@ -104,6 +117,11 @@ class ServerSettings:
         for key in self.api_key:
             if not key or key != key.strip():
                 raise ValueError("--api-key: an API key must be non-empty and without surrounding spaces")
+        if self.admin_api_key is not None:
+            if not self.admin_api_key or self.admin_api_key != self.admin_api_key.strip():
+                raise ValueError("--admin-api-key: the admin key must be non-empty and without surrounding spaces")
+            if self.admin_api_key in self.api_key:
+                raise ValueError("--admin-api-key: the admin key is also an --api-key; give the admin its own key")
         if self.cache_isolation not in CACHE_ISOLATION_MODES:
             modes = " | ".join(CACHE_ISOLATION_MODES)
             raise ValueError(f"--cache-isolation {self.cache_isolation!r}: not a mode; use {modes}")
@@ -167,6 +185,9 @@ class ServerSettings:
             speculative_tokens=self.speculative,
             speculative_min_confidence=self.speculative_min_confidence,
             cuda_graphs=not self.enforce_eager,
+            cuda_graph_sizes=self.cuda_graph_sizes or (),
+            warmup=self.warmup if self.warmup is not None else (
+                device.startswith("cuda") and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")),
         )
 
 
@@ -255,8 +276,7 @@ def build_settings(argv_namespace: argparse.Namespace | None, environ: Mapping[s
     kv_dir = values.pop("kv_dir")
     if values.pop("kv_persist"):
         if kv_dir is None:
-            label = Path(values["model_dir"]).resolve().name if values["model_dir"] else "demo-tiny"
-            kv_dir = os.path.join(cache_dir, "kv", label)
+            kv_dir = default_kv_dir(cache_dir, values["model_dir"])
     else:
         kv_dir = None
     values.pop("data_parallel_size")  # vLLM's flags: the parser accepts only 1, and the other has no effect

@@ -15,7 +15,7 @@ import logging
 import re
 from typing import Any
 
-from flashtier.server.config.settings import DEMO_NOTE, ServerSettings
+from flashtier.server.config.settings import DEMO_PRESET, ServerSettings, demo_note
 from flashtier.server.config.options import format_size
 
 __all__ = ["log_startup", "mask_url", "startup_lines"]
@@ -66,7 +66,7 @@ def startup_lines(settings: ServerSettings, engine: Any) -> list[str]:
     """The summary's lines (module doc); reads `engine` without changing it."""
     kv = settings.kvstore
     if settings.is_demo:
-        first = DEMO_NOTE
+        first = demo_note(settings.effective_preset or DEMO_PRESET)
     else:
         first = f"model {settings.model_dir} served as {list(settings.model_names)}"
     ssd = (f"SSD tier: {kv.ssd_dir} (budget {format_size(kv.ssd_budget_bytes)}, lifetime "

@@ -37,9 +37,11 @@ from flashtier.kvstore.ssd.admin.verify import verify_tier
 from flashtier.kvstore.ssd.admin.wipe import wipe_tier
 from flashtier.server.kv_admin.format import format_report, format_verify, format_wipe
 from flashtier.kvstore.tenant import api_key_tenant, tenant_tag
+from flashtier.kvstore.snapshot.persist import FILE_NAME as SAVED_POOL, discard_saved
 from flashtier.server.kv_admin.lock import admin_access
 from flashtier.server.response_store.owner import count_files, delete_owner_files, response_owner, responses_dir
-from flashtier.server.config.options import OPTIONS, Option
+from flashtier.server.config.options import ENV_PREFIX, OPTIONS, Option
+from flashtier.server.config.settings import default_cache_dir, default_kv_dir
 
 __all__ = ["add_kv_parser"]
 
@@ -67,10 +69,16 @@ def _setting(args: argparse.Namespace, dest: str, environ: Mapping[str, str]) ->
 
 
 def _kv_dir(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """--kv-dir, else its variable, else the directory ``serve`` uses by default (CACHE_DIR/kv/MODEL, with
+    --cache-dir / FLASHTIER_CACHE_DIR and FLASHTIER_MODEL_DIR as serve reads them). ValueError naming the flag
+    when that default does not exist."""
     kv_dir = _setting(args, "kv_dir", environ)
     if not kv_dir:
-        raise ValueError("--kv-dir: which SSD tier? pass --kv-dir DIR (the directory `flashtier serve` uses) or "
-                         f"set {_option('kv_dir').env}")
+        cache_dir = _setting(args, "cache_dir", environ) or default_cache_dir(environ)
+        kv_dir = default_kv_dir(cache_dir, environ.get(ENV_PREFIX + "MODEL_DIR") or None)
+        if not os.path.isdir(kv_dir):
+            raise ValueError(f"--kv-dir: no SSD tier at {kv_dir}, the directory `flashtier serve` uses by default; "
+                             f"pass --kv-dir DIR (or set {_option('kv_dir').env}) for another one")
     return os.path.abspath(os.path.expanduser(kv_dir))
 
 
@@ -142,6 +150,8 @@ def _wipe(args: argparse.Namespace) -> int:
         what, select = f"records older than {args.older_than:g} s", lambda header: header.created_at < cutoff
     with admin_access(kv_dir, write=not args.dry_run):
         result = wipe_tier(kv_dir, select, dry_run=args.dry_run, drop_unattributed=tenant_wipe)
+        # the embedded pool saved at the last clean stop holds window snapshots of every tenant: erased whole
+        snapshots = discard_saved(kv_dir, dry_run=args.dry_run) if args.all or tenant_wipe else 0
         if args.all or owner is not None:
             responses = delete_owner_files(responses_dir(kv_dir), owner, everything=args.all, dry_run=args.dry_run)
         else:
@@ -156,8 +166,11 @@ def _wipe(args: argparse.Namespace) -> int:
     else:
         text += f"\nresponse store {responses_dir(kv_dir)}: not touched (only --all and --api-key remove " \
                 "stored conversations)"
+    if snapshots:
+        text += (f"\nsaved snapshot pool {os.path.join(kv_dir, SAVED_POOL)}: {verb} ({snapshots:,} B; every tenant's "
+                 "window snapshots, so other conversations resume by bounded replay once)")
     if args.json:
-        print(json.dumps({**dataclasses.asdict(result),
+        print(json.dumps({**dataclasses.asdict(result), "saved_snapshot_bytes": snapshots,
                           "responses": dataclasses.asdict(responses) if responses else None}, indent=2))
     else:
         print(text)
@@ -186,7 +199,10 @@ def add_kv_parser(sub: argparse._SubParsersAction) -> None:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--kv-dir", dest="kv_dir", default=None,
-                       help=f"the SSD tier directory [env {_option('kv_dir').env}]")
+                       help=f"the SSD tier directory [env {_option('kv_dir').env}] (default: the one `serve` uses, "
+                            "CACHE_DIR/kv/MODEL)")
+        p.add_argument("--cache-dir", dest="cache_dir", default=None,
+                       help=f"serve's cache directory, for the default --kv-dir [env {_option('cache_dir').env}]")
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
     stats = cmds.add_parser("stats", help="entries, bytes, age histogram, budget")

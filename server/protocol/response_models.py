@@ -37,15 +37,19 @@ class ResumeUsage(_Response):
 
     kind: Literal["exact", "replay", "cold"] = "cold"
     replay_from: int | None = None
-    replayed_tokens: int = 0
+    approximate: bool = Field(default=False, description='the window state is approximate (kind == "replay")')
 
 
 class FlashtierUsage(_Response):
-    """Where the prompt came from: cached tokens by tier, tokens replayed (bounded replay), computed;
-    what the request made durable so far (fsynced SSD blocks, Redis snapshots); its resume provenance."""
+    """Where the prompt came from: cached tokens by tier, the decoder's tokens (its exact pass over the
+    prompt's last window, every request), the encoder tokens of an approximate bounded replay (0 unless
+    ``resume.kind`` is "replay"), computed tokens; what the request made durable so far (fsynced SSD
+    blocks, Redis snapshots); its resume provenance."""
 
     cached_tokens_by_tier: CachedTokensByTier = Field(default_factory=CachedTokensByTier)
-    replayed_tokens: int = 0
+    decoder_tokens: int = Field(default=0, description="prompt tokens run through the decoder layers (exact)")
+    approximate_replay_tokens: int = Field(
+        default=0, description='encoder tokens re-run by a bounded replay (approximate); 0 unless resume.kind == "replay"')
     computed_tokens: int = 0
     persisted_bytes: int = Field(default=0, description="bytes of this request confirmed durable so far")
     resume: ResumeUsage = Field(default_factory=ResumeUsage)

@@ -20,6 +20,7 @@ Only ids this server makes (``resp_`` + 32 hex digits) are looked up: any other 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -158,10 +159,28 @@ class MemoryResponseStore(ResponseStore):
         return self._records.pop(response_id, None) is not None
 
     async def delete_owner(self, owner: str) -> int:
-        gone = [rid for rid, (_, raw) in self._records.items() if StoredResponse.from_json(raw).owner == owner]
-        for rid in gone:
-            del self._records[rid]
-        return len(gone)
+        """The records are parsed on a worker thread (the loop only copies the references), then the
+        owner's are removed on the loop; a record replaced meanwhile is kept (it is a new one)."""
+        items = list(self._records.items())
+        gone = await asyncio.to_thread(_owned_by, items, owner)
+        removed = 0
+        for rid, entry in gone:
+            if self._records.get(rid) is entry:
+                del self._records[rid]
+                removed += 1
+        return removed
+
+
+def _owned_by(items: list[tuple[str, tuple[float, bytes]]], owner: str) -> list[tuple[str, tuple[float, bytes]]]:
+    """The entries whose record belongs to ``owner`` (unparseable ones are nobody's). Any thread."""
+    out = []
+    for rid, entry in items:
+        try:
+            if StoredResponse.from_json(entry[1]).owner == owner:
+                out.append((rid, entry))
+        except ValueError:
+            continue
+    return out
 
 
 def open_response_store(settings: ServerSettings) -> ResponseStore:

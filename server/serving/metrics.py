@@ -66,6 +66,8 @@ PROMPT_TOKENS = PREFIX + "prompt_tokens"  # counter
 GENERATION_TOKENS = PREFIX + "generation_tokens"  # counter
 GLOBAL_KV_BYTES_PER_TOKEN = PREFIX + "global_kv_bytes_per_token"
 ENGINE_READY = PREFIX + "engine_ready"
+ENGINE_STARTING = PREFIX + "engine_starting"
+STARTING_PHASES = ("loading", "warming up")  # ServerState.phase before "ready"
 # speculative decoding (vLLM's spec_decode_* names), exported while the engine speculates
 SPEC_DRAFTS = PREFIX + "spec_decode_num_drafts"  # counter: sequence-steps that verified drafts
 SPEC_DRAFT_TOKENS = PREFIX + "spec_decode_num_draft_tokens"  # counter: drafts verified
@@ -101,6 +103,8 @@ TIER_DOCS = {
     "snapshot_redis_call_s": "Summed duration of the snapshot pool's Redis round trips (mean latency: / calls).",
     "ssd_budget_bytes": "The SSD tier's disk budget (--kv-disk-budget).",
     "ssd_lifetime_s": "The SSD tier's guaranteed lifetime after the last write (--kv-lifetime).",
+    "snapshot_restored": "Snapshots the embedded pool loaded at start-up from the file a clean shutdown saved.",
+    "snapshot_restore_corrupt": "Embedded snapshot pool files found damaged or truncated at start-up (misses).",
 }
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -131,10 +135,11 @@ class _EngineStatsCollector(Collector):
     """Reads ``EngineStats`` when Prometheus scrapes; zeros while the engine is not up."""
 
     def __init__(self, model_name: str, stats: Callable[[], EngineStats | None],
-                 ready: Callable[[], bool]) -> None:
+                 ready: Callable[[], bool], phase: Callable[[], str]) -> None:
         self._model = model_name
         self._stats = stats
         self._ready = ready
+        self._phase = phase
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -158,6 +163,8 @@ class _EngineStatsCollector(Collector):
         yield self._gauge(GLOBAL_KV_BYTES_PER_TOKEN, "Bytes of global KV stored per token.",
                           stats.global_kv_bytes_per_token)
         yield self._gauge(ENGINE_READY, "1 when the engine accepts requests.", 1.0 if self._ready() else 0.0)
+        yield self._gauge(ENGINE_STARTING, "1 while the engine loads or warms up (not ready, not failed).",
+                          1.0 if self._phase() in STARTING_PHASES else 0.0)
         yield self._counter(PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.",
                             stats.prefix_queries_tokens)
         yield self._counter(PREFIX_HITS, "Prompt tokens found in the prefix cache.", stats.prefix_hits_tokens)
@@ -210,7 +217,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, *, max_model_len: int = 1 << 20,
                  stats: Callable[[], EngineStats | None] = lambda: None,
-                 ready: Callable[[], bool] = lambda: False, version: str = "", demo: bool = False) -> None:
+                 ready: Callable[[], bool] = lambda: False, phase: Callable[[], str] = lambda: "loading",
+                 version: str = "", demo: bool = False) -> None:
         self.model_name = model_name
         # No `*_created` series (process-wide switch, as vLLM sets it): they double the exposition and
         # dashboards never use them.
@@ -242,7 +250,8 @@ class ServerMetrics:
         self.cached = {t: cached.labels(model_name, t) for t in CACHE_TIERS}
         self.persisted = Histogram(REQUEST_PERSISTED_BYTES, "Bytes a request wrote to the persistent tiers.",
                                    lab, buckets=BYTES_BUCKETS, registry=reg).labels(model_name)
-        self.replayed = Counter(PROMPT_TOKENS_REPLAYED, "Prompt tokens recomputed by bounded replay.", lab,
+        self.replayed = Counter(PROMPT_TOKENS_REPLAYED, "Prompt tokens re-run by an encoder bounded "
+                                "replay (an approximate window state; the decoder's exact pass is not counted).", lab,
                                 registry=reg).labels(model_name)
         self.computed = Counter(PROMPT_TOKENS_COMPUTED, "Prompt tokens computed from scratch.", lab,
                                 registry=reg).labels(model_name)
@@ -255,7 +264,7 @@ class ServerMetrics:
         info = Gauge(SERVER_INFO, "Constant 1; labels describe the server.", ["model_name", "version", "demo"],
                      registry=reg)
         info.labels(model_name, version, "true" if demo else "false").set(1)
-        reg.register(_EngineStatsCollector(model_name, stats, ready))
+        reg.register(_EngineStatsCollector(model_name, stats, ready, phase))
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
@@ -332,7 +341,7 @@ class RequestTracker:
             m.cached["hbm"].inc(cache.hbm_tokens)
             m.cached["ssd"].inc(cache.ssd_tokens)
             m.cached["snapshot"].inc(cache.snapshot_tokens)
-            m.replayed.inc(cache.replayed_tokens)
+            m.replayed.inc(cache.approximate_replay_tokens)
             m.computed.inc(cache.computed_tokens)
         for resume in self._resume.values():
             m.resumes[resume.kind].inc()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -53,6 +54,10 @@ class ServerState:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.engine: EngineClient | None = None
+        # the start-up phase /health names until the engine is ready: loading -> warming up -> ready (or failed);
+        # written by the app's lifespan (loader thread and event loop), read anywhere (a str: atomic)
+        self.phase = "loading"
+        self.ready = threading.Event()  # set once the engine serves (tests wait on it; never a sleep)
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self.think_end_id = tokenizer.token_to_id(THINK_END)
@@ -63,7 +68,7 @@ class ServerState:
     def require_engine(self) -> EngineClient:
         engine = self.engine
         if engine is None:
-            raise ServiceUnavailable("the engine is starting; retry later")
+            raise ServiceUnavailable(f"the engine is {self.phase}; retry later")
         if not engine_ready(engine):
             raise ServiceUnavailable("the engine is not ready (loading or stopped); retry later")
         return engine
@@ -166,11 +171,12 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int
         "flashtier": {
             "cached_tokens_by_tier": {"hbm": cache.hbm_tokens, "ssd": cache.ssd_tokens,
                                       "snapshot": cache.snapshot_tokens},
-            "replayed_tokens": cache.replayed_tokens,
+            "decoder_tokens": cache.decoder_tokens,
+            "approximate_replay_tokens": cache.approximate_replay_tokens,
             "computed_tokens": cache.computed_tokens,
             "persisted_bytes": cache.persisted_bytes,
             "resume": {"kind": resume.kind, "replay_from": resume.replay_from,
-                       "replayed_tokens": cache.replayed_tokens},
+                       "approximate": resume.kind == "replay"},
         },
     }
 

@@ -34,7 +34,7 @@ def _registry_turn(tiers_after: dict[str, float], cached: dict[str, int], kind: 
 def _hit(**over) -> tuple[dict, dict]:
     """A 100K-token hit: 1,562 SSD blocks, the 32-token tail from the snapshot, then ``over`` applied."""
     ssd = 1562 * 64
-    cache = CacheUsage(cached_tokens=ssd + 32, ssd_tokens=ssd, snapshot_tokens=32, replayed_tokens=128,
+    cache = CacheUsage(cached_tokens=ssd + 32, ssd_tokens=ssd, snapshot_tokens=32, decoder_tokens=128,
                        computed_tokens=100)
     usage = usage_dict(100_100, 1, 0, over.pop("cache", cache), over.pop("resume", ResumeInfo("exact")))
     delta = {"flashtier_ssd_blocks_loaded_total": 1562.0, "flashtier_snapshot_lookup_hit_total": 1.0,
@@ -72,7 +72,8 @@ def test_scrape_rejects_a_value_that_is_not_a_number():
 
 
 def _miss(**over) -> tuple[dict, dict]:
-    cache = CacheUsage(cached_tokens=99_968, ssd_tokens=99_968, replayed_tokens=256, computed_tokens=260)
+    cache = CacheUsage(cached_tokens=99_968, ssd_tokens=99_968, decoder_tokens=128,
+                       approximate_replay_tokens=128, computed_tokens=260)
     usage = usage_dict(100_100, 1, 0, over.pop("cache", cache), over.pop("resume", ResumeInfo("replay", 99_968)))
     delta = {"flashtier_ssd_blocks_loaded_total": 1562.0, "flashtier_snapshot_lookup_none_total": 1.0}
     delta.update(over)

@@ -216,3 +216,18 @@ def test_bad_directories_are_one_line_errors(tmp_path, capsys, monkeypatch):
     assert code == 2 and "--kv-dir" in err and err.count("\n") == 1
     code, _, err = run(capsys, "verify", "--kv-dir", str(tmp_path / "missing"))
     assert code == 2 and "not a directory" in err and err.count("\n") == 1
+
+
+def test_the_tools_default_to_the_directory_serve_uses(tmp_path, capsys):
+    """Without --kv-dir, `kv stats` reads CACHE_DIR/kv/MODEL as `serve` does (the demo: CACHE_DIR/kv/demo-tiny);
+    where that directory does not exist, one line naming --kv-dir."""
+    from flashtier.server.cli import main
+    from flashtier.server.config.settings import build_settings
+
+    cache = tmp_path / "cache"
+    served = build_settings(None, {"FLASHTIER_CACHE_DIR": str(cache)}).kvstore.ssd_dir
+    assert main(["kv", "stats", "--cache-dir", str(cache)]) == 2
+    assert "--kv-dir: no SSD tier at " + served in capsys.readouterr().err
+    os.makedirs(served)
+    assert main(["kv", "stats", "--cache-dir", str(cache), "--json"]) == 0
+    capsys.readouterr()

@@ -21,6 +21,7 @@ import xxhash
 
 from flashtier.kvstore.block_hash import BlockHash
 from flashtier.kvstore.config import KVStoreConfig
+from flashtier.kvstore.snapshot.persist import FILE_NAME as SAVED_POOL
 from flashtier.kvstore.ssd.record import HEADER_BYTES
 from flashtier.kvstore.ssd.store import SSDStore
 from flashtier.kvstore.tenant import DEFAULT_TENANT_TAG, api_key_tenant, tenant_tag
@@ -95,7 +96,9 @@ def test_wipe_api_key_removes_its_bytes_from_every_file_and_keeps_the_others(tmp
     owners = write_tier(kv_dir)
     with SSDStore(config(kv_dir)) as store:
         before = {i: (store.get(key(i)), store.entry(key(i)).created_at) for i in range(12)}
-    assert len(files_holding(kv_dir, MARK)) == 4  # every segment: the search can fail
+    # the embedded snapshot pool a clean stop saved (kvstore/snapshot/persist.py), holding the tenant's window
+    (kv_dir / SAVED_POOL).write_bytes(b"FTSP" + MARK * 3)
+    assert len(files_holding(kv_dir, MARK)) == 5  # every segment and the saved pool: the search can fail
     assert files_holding(kv_dir, TEXT.encode()) != []
 
     code, out = run(capsys, "stats", "--kv-dir", str(kv_dir), "--json")
@@ -106,12 +109,13 @@ def test_wipe_api_key_removes_its_bytes_from_every_file_and_keeps_the_others(tmp
 
     code, out = run(capsys, "wipe", "--kv-dir", str(kv_dir), "--api-key", KEY, "--dry-run")
     assert code == 0 and "would remove 5 records" in out and "1 stored conversations" in out
-    assert len(files_holding(kv_dir, MARK)) == 4  # a dry run changes nothing
+    assert len(files_holding(kv_dir, MARK)) == 5  # a dry run changes nothing
 
     started = time.perf_counter()
     code, out = run(capsys, "wipe", "--kv-dir", str(kv_dir), "--api-key", KEY, "--yes")
     elapsed = time.perf_counter() - started
     assert code == 0 and "removed 5 records" in out and "removed 1 stored conversations" in out, out
+    assert "saved snapshot pool" in out and not (kv_dir / SAVED_POOL).exists()
     assert files_holding(kv_dir, MARK) == [] and files_holding(kv_dir, TEXT.encode()) == []
     assert files_holding(kv_dir, b"another conversation 1") != []  # other owners' conversations stay
     print(f"offline wipe of 5 records + 1 conversation: {elapsed * 1000:.1f} ms")

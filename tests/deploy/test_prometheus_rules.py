@@ -27,7 +27,7 @@ def test_config_and_rules_check():
     assert "SUCCESS" in config.stdout and "rules.yml" in config.stdout  # the rule file is loaded and checked
     rules = promtool("check", "rules", "rules.yml")
     assert rules.returncode == 0, rules.stdout + rules.stderr
-    assert "SUCCESS: 12 rules found" in rules.stdout
+    assert "SUCCESS: 13 rules found" in rules.stdout
 
 
 def test_rule_unit_tests_pass():

@@ -30,10 +30,11 @@ def read_run_as_bytes(tiers: TierManager, keys: list[BlockHash]) -> RestoredRun:
     return RestoredRun.from_images(bytes_prefix(tiers.ssd, keys))
 
 
-def load_run_from_bytes(kvm: KVManager, run: RestoredRun, block_ids: list[int], hashes: list[BlockHash]) -> None:
+def load_run_from_bytes(kvm: KVManager, run: RestoredRun, block_ids: list[int], hashes: list[BlockHash],
+                        tenant: bytes | None = None) -> None:
     """The old install: ``load_block`` per image, in order."""
     for j, (block_id, block_hash) in enumerate(zip(block_ids, hashes)):
-        kvm.load_block(block_id, run.image(j), block_hash)
+        kvm.load_block(block_id, run.image(j), block_hash, tenant)
     run.release()
 
 

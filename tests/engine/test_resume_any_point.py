@@ -129,7 +129,7 @@ def test_resume_from_any_point_equals_the_uninterrupted_run(runs, d):
     assert (out.resume.kind, out.resume.replay_from) == ("exact", None)
     c = out.cache
     assert (c.cached_tokens, c.hbm_tokens, c.snapshot_tokens, c.computed_tokens) == (P, 32, P - 32, d)
-    assert c.replayed_tokens == W  # the decoder replay alone (an encoder bounded replay adds W more)
+    assert (c.decoder_tokens, c.approximate_replay_tokens) == (W, 0)  # the decoder's window alone, nothing approximate
 
 
 def test_every_turn_was_a_snapshot_hit(runs):
@@ -145,8 +145,8 @@ def test_a_resume_with_its_replay_tail_zeroed_is_caught(runs, monkeypatch):
         return dataclasses.replace(snap, tail_x=torch.zeros_like(snap.tail_x))
 
     monkeypatch.setattr(resume, "decode_snapshot", zeroed)
-    prompt = runs.prompts["b9"]  # asked again: P = 45 is still the best point (54 = n is never one)
+    prompt = runs.prompts["b9"]  # asked again: b9's own prompt-end snapshot at P = n = 54 is the best point
     out = _serve(runs.engine, {"broken": prompt})["broken"][1]
-    assert out.resume.kind == "exact" and out.cache.snapshot_tokens == P - 32  # still reported as a hit
+    assert out.resume.kind == "exact" and out.cache.snapshot_tokens == len(prompt) - 48  # still reported as a hit
     got, want = runs.logits["broken"][0], runs.cold["b9"][1][0]
     assert rel_err(got, want) > 1e-3  # the resume check above would fail

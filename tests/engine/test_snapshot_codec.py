@@ -75,7 +75,8 @@ def test_real_geometry_size():
 
 @pytest.mark.parametrize("prompt_len, error", [
     (POINT + 1, "does not reach"), (POINT + 5, "does not reach"), (POINT + 6, None), (40, None),
-    (POINT, "not before the prompt end"),  # P = n is never a candidate (the scheduler feeds >= 1 token)
+    (POINT, "does not reach"),  # P = n (a retry): the tail must hold the whole decoder replay's input
+    (POINT - 1, "beyond the prompt end"),
 ])
 def test_the_tail_must_reach_the_decoder_replay_start(prompt_len, error):
     """Rows [P - 10, P) cover a decoder replay from n - 16 >= P - 10: prompts of n >= P + 6 (window 16)."""
@@ -85,6 +86,12 @@ def test_the_tail_must_reach_the_decoder_replay_start(prompt_len, error):
     else:
         with pytest.raises(ValueError, match=error):
             _decode(h, kv, payload, prompt_len=prompt_len)
+
+
+def test_a_full_tail_serves_the_same_prompt_again():
+    """P = n (a retried prompt): a snapshot whose tail holds the whole window decodes for n = P."""
+    h, kv, _, payload, _ = _state(enc_start=0)
+    assert _decode(h, kv, payload, prompt_len=POINT).tail_x.shape[0] == kv.window
 
 
 def test_a_tail_less_snapshot_serves_only_prompts_a_window_away():

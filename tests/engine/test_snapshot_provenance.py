@@ -77,11 +77,12 @@ def test_lookups_prefer_exact_snapshots_and_take_replayed_ones_only_when_allowed
     assert _find(_pool_with({"exact": [44, 9]}), allow_replayed=False) == "exact@44"
 
 
-def test_any_point_before_the_prompt_end_is_a_candidate():
-    """P = n - 1 (less than a window before the end: its replay tail covers the decoder replay); P = n never
-    (the scheduler feeds at least one token)."""
+def test_any_point_up_to_the_prompt_end_is_a_candidate():
+    """P = n - 1 (less than a window before the end: its replay tail covers the decoder replay), and P = n
+    (the same prompt again: a retry resumes from the first request's prompt-end snapshot)."""
     assert _find(_pool_with({"exact": [59, 30]}), allow_replayed=False) == "exact@59"
-    assert _find(_pool_with({"exact": [60, 45]}), allow_replayed=False) == "exact@45"
+    assert _find(_pool_with({"exact": [60, 45]}), allow_replayed=False) == "exact@60"
+    assert _find(_pool_with({"exact": [58], "replayed": [60]}), allow_replayed=True) == "exact@58"
 
 
 def test_a_payload_of_an_older_codec_version_is_a_miss():

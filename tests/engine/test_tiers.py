@@ -5,6 +5,7 @@ float64 mode: an exact resume must give the tokens of a cold run of the same pro
 encoder bounded replay must give the oracle's plan (c).
 """
 
+import asyncio
 import time
 
 import torch
@@ -14,7 +15,9 @@ from flashtier.engine.engine import Engine
 from flashtier.engine.model.reference import Plan, reference_forward
 from flashtier.engine.sample.params import SamplingParams
 from flashtier.engine.tiers.manager import TierManager
+from flashtier.kvstore.block_hash import hash_blocks, namespace_hash
 from flashtier.kvstore.config import KVStoreConfig
+from flashtier.kvstore.snapshot.key import SnapshotKey
 
 from ..kvstore.redis_server import RedisServer
 from .conftest import random_prompt
@@ -113,7 +116,7 @@ def test_flushed_redis_falls_back_to_encoder_bounded_replay(tiny64, tiny_cfg, tm
         got, cache = _turn(eng, "b", convo)
         r = (100 + len(tokens) - 1) // BS * BS
         assert cache.cached_tokens == r and cache.snapshot_tokens == 0
-        assert cache.replayed_tokens >= tiny_cfg.sliding_window
+        assert cache.approximate_replay_tokens == tiny_cfg.sliding_window
         seq = torch.tensor(convo + got[:-1])
         ref = reference_forward(tiny64, seq, Plan.resume(r, len(convo), seq.numel(), tiny_cfg.sliding_window))
         assert torch.argmax(ref.logits, -1).tolist() == got
@@ -132,7 +135,7 @@ def test_stopped_redis_is_a_miss_not_a_failure(tiny64, tmp_path):
     server.stop()
     convo = convo + tokens + random_prompt(20, seed=47)
     got, cache = _turn(eng, "b", convo)
-    assert got == _cold(tiny64, convo) or cache.replayed_tokens > 0  # served, never failed
+    assert got == _cold(tiny64, convo) or cache.approximate_replay_tokens > 0  # served, never failed
     assert len(got) == GREEDY.max_tokens
     stats = eng.stats().tiers
     assert stats["snapshot_redis_errors"] > 0
@@ -143,19 +146,28 @@ def test_stopped_redis_is_a_miss_not_a_failure(tiny64, tmp_path):
 def test_a_repeated_prompt_does_not_overwrite_the_exact_snapshot(tiny64, tmp_path):
     """A, A again, then B = A + reply + new turn: B equals a cold run of B.
 
-    The repeated A finds its prefix without a usable snapshot (the first A's prompt-end snapshot lies at
-    P = n, never a candidate: a request always feeds at least one token), replays from a block boundary
-    and ends with an approximate window state; that state must not replace the exact snapshot the first
-    A stored at the same point.
+    A repeat normally resumes exactly from the first A's prompt-end snapshot at P = n
+    (tests/engine/test_exact_retry.py). Here that snapshot is deleted, so the repeat finds the prefix
+    without a usable exact snapshot, replays from a block boundary and ends with an approximate window
+    state: that state must never be stored as exact (a third A resumes it as a replay, not as exact), and
+    B resumes from the first A's exact generation-end snapshot.
     """
     eng = _engine(tiny64, _kv(tmp_path))
     a = random_prompt(134, seed=60)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # both snapshots in block 8
     first, _ = _turn(eng, "a1", a, params)
     _flush(eng)
+    ns = namespace_hash(eng.fingerprint, None)
+    b_end = 134 // BS
+    prompt_end = SnapshotKey.for_tail(ns, hash_blocks(ns, a, BS)[b_end - 1], a[b_end * BS :])
+    assert asyncio.run_coroutine_threadsafe(eng.tiers.snapshots.delete(prompt_end), eng.tiers._loop).result(10)
     again, cache = _turn(eng, "a2", a, params)
-    assert cache.replayed_tokens > 0 and cache.snapshot_tokens == 0  # the repeat really replayed
+    assert cache.approximate_replay_tokens > 0 and cache.snapshot_tokens == 0  # the repeat really replayed
     assert again != first  # the approximate window changed the answer: its state differs
+    _flush(eng)
+    third, cache = _turn(eng, "a3", a, params)
+    assert third == again and cache.snapshot_tokens == 134 - b_end * BS  # the repeat's replayed snapshot ...
+    assert eng.scheduler.requests == {} and cache.approximate_replay_tokens == 0  # ... resumed, not replayed
     _flush(eng)
     b = a + first + random_prompt(30, seed=61)
     got, cache = _turn(eng, "b", b)

@@ -71,7 +71,7 @@ def classify(conv: Conversation, usage: dict) -> tuple[str, str, int | None]:
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     if cached == 0:
         return "cold", "derived", None
-    if ft.get("replayed_tokens", 0) > W:
+    if ft.get("approximate_replay_tokens", 0) > 0:
         return "replay", "derived", cached
     return ("unknown" if conv.restarts else "exact"), "derived", None
 

@@ -12,53 +12,13 @@ from flashtier.kernels.quant.fp8 import (
     unpack_fp8_record,
 )
 
+from .quant_checks import assert_same_bytes, check_row_format_impls_agree, u8
+
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-
-SHAPES = [(1, 32), (3, 32), (17, 512), (130, 32), (1, 512), (2, 65, 64), (4, 3, 512)]
-SCALES = [1e-6, 1.0, 1e3]
-
-
-def assert_same_bytes(name: str, ref: torch.Tensor, tri: torch.Tensor) -> None:
-    """Bit-identical, except that two NaNs count as equal."""
-    assert ref.shape == tri.shape, f"{name}: shape {tuple(ref.shape)} vs {tuple(tri.shape)}"
-    assert ref.dtype == tri.dtype, f"{name}: dtype {ref.dtype} vs {tri.dtype}"
-    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[ref.element_size()]
-    a, b = ref.contiguous().view(int_dtype), tri.contiguous().view(int_dtype)
-    bad = a != b
-    if ref.is_floating_point():
-        bad &= ~(ref.isnan() & tri.isnan())
-    if bad.any():
-        i = int(bad.flatten().nonzero()[0])
-        raise AssertionError(
-            f"{name}: {int(bad.sum())} of {bad.numel()} elements differ; first at flat index {i}: "
-            f"ref {a.flatten()[i].item():#x} tri {b.flatten()[i].item():#x}"
-        )
 
 
 def check_impls_agree(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    codes, scales = quantize_fp8(x, impl="reference")
-    t_codes, t_scales = quantize_fp8(x, impl="triton")
-    assert_same_bytes("codes", codes, t_codes)
-    assert_same_bytes("scales", scales, t_scales)
-    assert_same_bytes("qdq", fp8_qdq(x, impl="reference"), fp8_qdq(x, impl="triton"))
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        ref = dequantize_fp8(codes, scales, dtype, impl="reference")
-        assert_same_bytes(f"dequantize {dtype}", ref, dequantize_fp8(codes, scales, dtype, impl="triton"))
-    return codes, scales
-
-
-@pytest.mark.parametrize("scale", SCALES, ids=lambda s: f"scale{s:g}")
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_random_reference_matches_triton(shape, scale):
-    check_impls_agree(torch.randn(shape) * scale)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs_match_fp32_of_same_values(dtype):
-    x = (torch.randn(17, 512) * 3).to(dtype)
-    codes, scales = check_impls_agree(x)
-    f_codes, f_scales = quantize_fp8(x.float())
-    assert torch.equal(codes, f_codes) and torch.equal(scales, f_scales)
+    return check_row_format_impls_agree(x, quantize_fp8, dequantize_fp8, fp8_qdq, "codes")
 
 
 def edge_blocks() -> dict[str, torch.Tensor]:
@@ -140,10 +100,6 @@ def test_empty_and_non_contiguous_inputs():
         assert codes.shape == (0, 64) and scales.shape == (0, 2)
     x = torch.randn(64, 40).t()  # [40, 64], not contiguous
     assert_same_bytes("codes", quantize_fp8(x, impl="reference")[0], quantize_fp8(x.contiguous(), impl="triton")[0])
-
-
-def u8(*shape: int) -> torch.Tensor:
-    return torch.zeros(shape, dtype=torch.uint8)
 
 
 @pytest.mark.parametrize(

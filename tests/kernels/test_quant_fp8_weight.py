@@ -12,6 +12,8 @@ from flashtier.kernels.quant.fp8_weight import (
 )
 from flashtier.kernels.quant.fp8 import quantize_fp8
 
+from .quant_checks import assert_same_bytes, u8
+
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 CASES = [
@@ -24,23 +26,6 @@ CASES = [
     ((33, 17), (16, 8)),
     ((130, 130), (128, 128)),
 ]
-
-
-def assert_same_bytes(name: str, ref: torch.Tensor, tri: torch.Tensor) -> None:
-    """Bit-identical, except that two NaNs count as equal."""
-    assert ref.shape == tri.shape, f"{name}: shape {tuple(ref.shape)} vs {tuple(tri.shape)}"
-    assert ref.dtype == tri.dtype, f"{name}: dtype {ref.dtype} vs {tri.dtype}"
-    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[ref.element_size()]
-    a, b = ref.contiguous().view(int_dtype), tri.contiguous().view(int_dtype)
-    bad = a != b
-    if ref.is_floating_point() and ref.element_size() > 1:
-        bad &= ~(ref.isnan() & tri.isnan())
-    if bad.any():
-        i = int(bad.flatten().nonzero()[0])
-        raise AssertionError(
-            f"{name}: {int(bad.sum())} of {bad.numel()} elements differ; first at flat index {i}: "
-            f"ref {a.flatten()[i].item():#x} tri {b.flatten()[i].item():#x}"
-        )
 
 
 def check_impls_agree(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,10 +98,6 @@ def test_empty():
         q, scale = quantize_fp8_weight(torch.randn(0, 64), impl=impl)
         assert q.shape == (0, 64) and scale.shape == (0, 2)
         assert dequantize_fp8_weight(q, scale, impl=impl).shape == (0, 64)
-
-
-def u8(*shape: int) -> torch.Tensor:
-    return torch.zeros(shape, dtype=torch.uint8)
 
 
 @pytest.mark.parametrize(

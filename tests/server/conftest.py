@@ -113,6 +113,9 @@ def run_server(tokenizer: Tokenizer, engine: ScriptedEngineClient | None = None,
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
+    # the port opens before the engine is built (app.py): wait for the engine on its event, not on a timer
+    if not app.state.flashtier.ready.wait(20):
+        raise RuntimeError(f"the test server's engine did not start: {app.state.flashtier.phase}")
     try:
         keys = settings.api_key
         yield LiveServer(f"http://127.0.0.1:{port}", engine, tokenizer, settings,

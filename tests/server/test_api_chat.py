@@ -75,9 +75,9 @@ def test_non_streaming_reply(server):
     assert u.prompt_tokens_details.cached_tokens == 0
     assert u.completion_tokens_details.reasoning_tokens == 0
     assert u.model_extra["flashtier"] == {"cached_tokens_by_tier": {"hbm": 0, "ssd": 0, "snapshot": 0},
-                                          "replayed_tokens": 0, "computed_tokens": u.prompt_tokens,
-                                          "persisted_bytes": 0,
-                                          "resume": {"kind": "cold", "replay_from": None, "replayed_tokens": 0}}
+                                          "decoder_tokens": 0, "approximate_replay_tokens": 0,
+                                          "computed_tokens": u.prompt_tokens, "persisted_bytes": 0,
+                                          "resume": {"kind": "cold", "replay_from": None, "approximate": False}}
 
 
 def test_prompt_is_the_v41_encoding(server):

@@ -133,7 +133,9 @@ def _scripted_serve_command() -> list[str]:
 def test_serve_process_drains_on_sigterm(tmp_path):
     port, dead = _free_port(), _free_port()
     env = {**os.environ, "FLASHTIER_PORT": str(port), "FLASHTIER_DRAIN_TIMEOUT": "20",
-           "FLASHTIER_CACHE_DIR": str(tmp_path / "cache")}
+           "FLASHTIER_CACHE_DIR": str(tmp_path / "cache"),
+           # a budget this machine's disk holds: the default 512G on a smaller disk is a (right) start-up warning
+           "FLASHTIER_KV_DISK_BUDGET": "1G"}
     # nothing listens on the Redis port: one warning line, and the server starts anyway
     proc = subprocess.Popen([*_scripted_serve_command(), "--redis-url", f"redis://127.0.0.1:{dead}/0"], cwd=tmp_path,
                             env=env,

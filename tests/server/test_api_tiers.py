@@ -174,8 +174,8 @@ def test_restart_after_sigkill_resumes_from_ssd_and_snapshot(cache_dir, tmp_path
         assert usage["prompt_tokens_details"]["cached_tokens"] == 700 + len(first) - 1
         assert tiers["hbm"] == 0 and tiers["ssd"] == (700 + len(first) - 1) // BS * BS
         assert tiers["snapshot"] == (700 + len(first) - 1) % BS
-        assert usage["flashtier"]["resume"] == {"kind": "exact", "replay_from": None,
-                                                "replayed_tokens": usage["flashtier"]["replayed_tokens"]}
+        assert usage["flashtier"]["resume"] == {"kind": "exact", "replay_from": None, "approximate": False}
+        assert (usage["flashtier"]["decoder_tokens"], usage["flashtier"]["approximate_replay_tokens"]) == (W, 0)
         assert got["choices"][0]["token_ids"] == cold.complete(prompt)["choices"][0]["token_ids"]
     finally:
         srv.stop()
@@ -201,8 +201,9 @@ def test_tenants_share_no_cache_in_any_tier(cache_dir, tmp_path, redis):
         assert tiers(srv.complete(hbm_prompt, max_tokens=1, headers=a, cache_salt="s"))[0] == 0
         assert tiers(srv.complete(hbm_prompt, max_tokens=1, headers=b, cache_salt="s")) == (0, 0, 0, 0)
         assert tiers(srv.complete(hbm_prompt, max_tokens=1, headers=a, cache_salt="t")) == (0, 0, 0, 0)
-        cached, hbm, _, _ = tiers(srv.complete(hbm_prompt, max_tokens=1, headers=a, cache_salt="s"))
-        assert cached == hbm == len(hbm_prompt) // BS * BS
+        cached, hbm, _, snapshot = tiers(srv.complete(hbm_prompt, max_tokens=1, headers=a, cache_salt="s"))
+        # A's own repeat: its HBM blocks, plus its prompt-end snapshot (P = n) once the async put landed
+        assert hbm == len(hbm_prompt) // BS * BS and cached == hbm + snapshot and snapshot in (0, len(hbm_prompt) % BS)
         first = srv.complete(prompt, headers=a, cache_salt="s")["choices"][0]["token_ids"]
         _wait_persisted(srv)
     finally:
@@ -238,8 +239,8 @@ def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(cache_dir, t
         r = (300 + len(first) - 1) // BS * BS
         assert usage["prompt_tokens_details"]["cached_tokens"] == r
         assert usage["flashtier"]["cached_tokens_by_tier"]["snapshot"] == 0
-        assert usage["flashtier"]["replayed_tokens"] >= 2 * W  # encoder replay + decoder replay
-        assert usage["flashtier"]["resume"]["kind"] == "replay" and usage["flashtier"]["resume"]["replay_from"] == r
+        assert (usage["flashtier"]["approximate_replay_tokens"], usage["flashtier"]["decoder_tokens"]) == (W, W)
+        assert usage["flashtier"]["resume"] == {"kind": "replay", "replay_from": r, "approximate": True}
         assert srv.metric('flashtier_resumes_total{kind="replay",model_name="flashtier-tiny"}') == 1
         misses = srv.metric("flashtier_snapshot_lookup_none") + srv.metric("flashtier_snapshot_lookup_miss")
         assert misses > misses_before
@@ -255,20 +256,40 @@ def test_flushed_redis_falls_back_to_encoder_replay_matching_plan_c(cache_dir, t
     assert torch.argmax(ref.logits, -1).tolist() == toks
 
 
-def test_a_retried_turn_does_not_poison_the_next_one(cache_dir, tmp_path, redis, cold):
-    """The A, A, B reproducer over HTTP: the repeated A replays (its window is approximate, reported as
-    resume=replay) and must not replace A's exact snapshots, so B equals a cold run of B."""
+def _wait_snapshots(redis: RedisServer, count: int) -> None:
+    """Until Redis holds ``count`` snapshot values (the server's puts are asynchronous): a condition polled
+    with a deadline, not a fixed sleep."""
+    client, deadline = redis.client(), time.monotonic() + 60
+    while len(client.keys("ft:snap:*")) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} snapshots in Redis after 60 s"
+        time.sleep(0.01)
+
+
+def test_a_retried_request_resumes_exactly(cache_dir, tmp_path, redis, cold):
+    """The issue's reproduction: /v1/completions with a 150- and a 1,000-token prompt, the same cache_salt,
+    sent twice (greedy; then at temperature 0.8 with a seed). The second answer resumes from the first's
+    prompt-end snapshot (P = n): ``exact``, nothing approximate, the same tokens (before: ``replay`` from
+    128 / 960 with all 8 tokens different). A next turn over the first answer is exact too and equals cold."""
+    redis.client().flushall()
     srv = Server(cache_dir, "--kv-dir", str(tmp_path / "kv"), "--redis-url", redis.url)
     try:
-        a = _chunk(134, seed=20)
-        first = srv.complete(a)["choices"][0]["token_ids"]
-        _wait_persisted(srv)
-        again = srv.complete(a)
-        assert again["usage"]["flashtier"]["resume"]["kind"] == "replay"
-        _wait_persisted(srv)
-        b = a + first + _chunk(40, seed=21)
-        got = srv.complete(b)
+        snapshots = 0
+        for n, extra in ((150, {}), (1000, {}), (150, {"temperature": 0.8, "seed": 7})):
+            a = _chunk(n, seed=n + len(extra))
+            first = srv.complete(a, cache_salt="retry", **extra)
+            assert first["usage"]["flashtier"]["resume"]["kind"] == "cold"
+            snapshots += 2  # prompt end, generation end
+            _wait_snapshots(redis, snapshots)
+            again = srv.complete(a, cache_salt="retry", **extra)
+            ft = again["usage"]["flashtier"]
+            assert ft["resume"] == {"kind": "exact", "replay_from": None, "approximate": False}, (n, ft)
+            assert (ft["approximate_replay_tokens"], ft["computed_tokens"], ft["decoder_tokens"]) == (0, 0, W)
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n
+            assert ft["cached_tokens_by_tier"] == {"hbm": n // BS * BS, "ssd": 0, "snapshot": n % BS}
+            assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"], n
+        b = a + first["choices"][0]["token_ids"] + _chunk(40, seed=21)
+        got = srv.complete(b, cache_salt="retry")
         assert got["usage"]["flashtier"]["resume"]["kind"] == "exact"
-        assert got["choices"][0]["token_ids"] == cold.complete(b)["choices"][0]["token_ids"]
+        assert got["choices"][0]["token_ids"] == cold.complete(b, cache_salt="retry")["choices"][0]["token_ids"]
     finally:
         srv.stop()

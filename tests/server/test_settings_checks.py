@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -173,3 +174,15 @@ def test_redis_probe():
     assert _fake_server_reply(b"-NOAUTH Authentication required.\r\n") is None  # a Redis wanting a password
     assert "no answer within 0.3 s" in _fake_server_reply(None)  # a proxy that accepts everything
     assert "did not answer PING like Redis" in _fake_server_reply(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+
+def test_a_disk_budget_above_the_free_space_is_a_warning_with_both_figures(tmp_path):
+    from flashtier.server.config.checks import disk_budget_warning
+
+    free = shutil.disk_usage(tmp_path).free
+    assert disk_budget_warning(str(tmp_path / "kv"), free // 2) is None
+    warning = disk_budget_warning(str(tmp_path / "kv"), free * 4)
+    assert warning is not None and warning.startswith("--kv-disk-budget ") and " GiB free where " in warning
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "segment-0").write_bytes(b"x" * 4096)  # the tier's own files count for it
+    assert disk_budget_warning(str(tmp_path / "kv"), shutil.disk_usage(tmp_path).free + 2048) is None

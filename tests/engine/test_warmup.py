@@ -1,0 +1,95 @@
+"""Warm-up (engine/warmup.py) on the tiny model, CPU: it runs every requested batch size through the real step,
+leaves no request, no counter change and nothing in the tiers behind, and changes no answer (a request after
+a warm-up gives the tokens a fresh engine gives)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from flashtier.engine.config import EngineConfig
+from flashtier.engine.factory import build_async_engine, build_engine
+from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.warmup import WARMUP_SALT, warm_up
+from flashtier.kvstore.config import KVStoreConfig
+
+PROMPT = [11 + (7 * i) % 500 for i in range(40)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def engine_with_tiers(tmp_path, **config):
+    kv = KVStoreConfig(block_size=16, num_blocks=96, ssd_dir=str(tmp_path / "kv"))
+    return build_engine(EngineConfig(preset="tiny", weights_seed=0, max_num_seqs=4, **config), kv, tiers=True)
+
+
+def generate(engine, rid="r"):
+    engine.add_request(rid, PROMPT, GREEDY)
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += [t for c in out.choices for t in c.token_ids]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def fresh_tokens(tmp_path_factory):
+    engine = engine_with_tiers(tmp_path_factory.mktemp("fresh"))
+    try:
+        return generate(engine)
+    finally:
+        engine.close()
+
+
+def test_warm_up_leaves_nothing_behind_and_changes_no_answer(tmp_path, fresh_tokens):
+    engine = engine_with_tiers(tmp_path)
+    try:
+        stats, stats_before, prompt_tokens = engine.scheduler.stats, copy.copy(engine.scheduler.stats), \
+            engine.prompt_tokens
+        report = warm_up(engine, sizes=(1, 3))
+        assert report.sizes == (1, 3) and len(report.seconds) == 2
+        assert not engine.has_unfinished() and engine.scheduler.requests == {}
+        assert engine.scheduler.stats is stats and stats == stats_before and engine.prompt_tokens == prompt_tokens
+        assert engine.scheduler.tiers is not None  # reattached
+        tiers = engine.tiers
+        assert tiers.stats.ssd_blocks_written == 0 and tiers.stats.snapshot_puts == 0 and tiers.stats.lookups == 0
+        assert engine.kvm.pool.num_used == 0  # only free, evictable throwaway blocks stay cached
+        assert generate(engine) == fresh_tokens
+    finally:
+        engine.close()
+
+
+def test_a_failing_warm_up_reattaches_the_tiers_and_drops_its_requests(tmp_path, monkeypatch):
+    engine = engine_with_tiers(tmp_path)
+    try:
+        def broken():
+            raise RuntimeError("kernel compile failed")
+
+        monkeypatch.setattr(engine, "step", broken)
+        with pytest.raises(RuntimeError, match="kernel compile failed"):
+            warm_up(engine, sizes=(2,))
+        assert engine.scheduler.tiers is not None
+        monkeypatch.undo()
+        while engine.has_unfinished():  # the aborts are collected by the next step
+            engine.step()
+        assert engine.scheduler.requests == {}
+    finally:
+        engine.close()
+
+
+def test_the_factory_reports_the_warm_up_phase(tmp_path):
+    phases = []
+    kv = KVStoreConfig(block_size=16, num_blocks=96)
+    client = build_async_engine(EngineConfig(preset="tiny", max_num_seqs=2, warmup=True, cuda_graph_sizes=(1, 2)),
+                                kv, phase=phases.append)
+    try:
+        assert phases == ["warming up"] and client.is_ready()
+    finally:
+        import asyncio
+
+        asyncio.run(client.shutdown(5))
+
+
+def test_the_warm_up_namespace_is_out_of_reach_of_requests():
+    """A request's cache_salt is 1-256 printable characters (server/serving/request_checks.py): never a NUL."""
+    assert "\x00" in WARMUP_SALT
