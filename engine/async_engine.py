@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from flashtier.engine.client import EngineDeadError, TenantDeletionReport, drain_outputs
+from flashtier.engine.client import EngineDeadError, TenantDeletionReport, drain_outputs, settle
 from flashtier.engine.engine import Engine
 from flashtier.engine.output_handoff import OutputHandoff
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
@@ -197,7 +197,7 @@ class AsyncEngine:
             try:
                 result = self.engine.drop_tenant(command.tenant)
             except Exception as exc:  # noqa: BLE001 - handed to the caller (a 500 there, the engine goes on)
-                command.loop.call_soon_threadsafe(_settle, command.done, exc)
+                command.loop.call_soon_threadsafe(settle, command.done, exc)
             else:
                 command.loop.call_soon_threadsafe(_settle_value, command.done, result)
             return
@@ -205,9 +205,9 @@ class AsyncEngine:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                     cache_salt=command.cache_salt)
         except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a 4xx
-            command.loop.call_soon_threadsafe(_settle, command.added, exc)
+            command.loop.call_soon_threadsafe(settle, command.added, exc)
         else:
-            command.loop.call_soon_threadsafe(_settle, command.added, None)
+            command.loop.call_soon_threadsafe(settle, command.added, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Route outputs to their streams' queues: one ``call_soon_threadsafe`` per event loop. Forgets the
@@ -262,11 +262,3 @@ def _settle_value(fut: asyncio.Future, value: object) -> None:
     if not fut.done():
         fut.set_result(value)
 
-
-def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(exc)

@@ -117,3 +117,14 @@ async def drain_outputs(queue: asyncio.Queue, request_id: str, abandon: Callable
     finally:
         if not finished:
             abandon()
+
+
+def settle(fut: asyncio.Future, exc: BaseException | None) -> None:
+    """Resolve ``fut`` with None, or with ``exc`` raised, unless it is already done (the caller gave up).
+    On the future's loop (``call_soon_threadsafe`` from an engine thread)."""
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)

@@ -36,7 +36,7 @@ from multiprocessing.connection import wait
 import torch
 
 from flashtier.engine.client import (EngineDeadError, QueueFullError, TenantDeletionReport, TenantDeletionUnsupported,
-                                     drain_outputs)
+                                     drain_outputs, settle)
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.parallel.executor_messages import AbortEvent, AddEvent, EngineInfo, Failed, StepDone, StepInput
@@ -265,7 +265,7 @@ class ParallelEngineClient:
                 continue
             if result is not None:
                 self._streams.pop(rid, None)
-            _post(stream.loop, _settle, stream.added, _admission_error(result))
+            _post(stream.loop, settle, stream.added, _admission_error(result))
         for out in done.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -318,17 +318,8 @@ def _admission_error(result: tuple[str, str] | None) -> BaseException | None:
         RuntimeError(message))
 
 
-def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(exc)
-
-
 def _fail_stream(stream: _Stream, exc: BaseException) -> None:
-    _settle(stream.added, exc)
+    settle(stream.added, exc)
     stream.queue.put_nowait(exc)
 
 

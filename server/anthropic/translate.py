@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -86,14 +87,25 @@ def _tool_message(block: ToolResultBlock, where: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
 
 
+def _blocks(blocks: list[Any], where: str, allowed: tuple[type, ...], elsewhere: str) -> Iterator[tuple[str, Any]]:
+    """``(path, block)`` for each of a message's content blocks, in order; 400 on an image/document block and
+    on a type not in `allowed` (it "may only appear in `elsewhere`")."""
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        if isinstance(block, (ImageBlock, DocumentBlock)):
+            raise _unsupported(block, at)
+        if not isinstance(block, allowed):
+            raise BadRequest(f"{at}: a {block.type} block may only appear in {elsewhere}", param=at)
+        yield at, block
+
+
 def _user_messages(msg: InputMessage, where: str) -> list[dict[str, Any]]:
     """Runs of text blocks become user messages and each tool_result a tool message, in block order."""
     if isinstance(msg.content, str):
         return [{"role": "user", "content": msg.content}]
     out: list[dict[str, Any]] = []
     texts: list[dict[str, str]] = []
-    for j, block in enumerate(msg.content):
-        at = f"{where}.content[{j}]"
+    for at, block in _blocks(msg.content, where, (TextBlock, ToolResultBlock), "an assistant message"):
         if isinstance(block, TextBlock):
             texts.append({"type": "text", "text": block.text})
         elif isinstance(block, ToolResultBlock):
@@ -101,10 +113,6 @@ def _user_messages(msg: InputMessage, where: str) -> list[dict[str, Any]]:
                 out.append({"role": "user", "content": texts})
                 texts = []
             out.append(_tool_message(block, at))
-        elif isinstance(block, (ImageBlock, DocumentBlock)):
-            raise _unsupported(block, at)
-        else:
-            raise BadRequest(f"{at}: a {block.type} block may only appear in an assistant message", param=at)
     if texts or not out:
         out.append({"role": "user", "content": texts})
     return out
@@ -116,8 +124,8 @@ def _assistant_message(msg: InputMessage, where: str) -> dict[str, Any]:
     texts: list[dict[str, str]] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
-    for j, block in enumerate(msg.content):
-        at = f"{where}.content[{j}]"
+    allowed = (TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock)
+    for _, block in _blocks(msg.content, where, allowed, "a user message"):
         if isinstance(block, TextBlock):
             texts.append({"type": "text", "text": block.text})
         elif isinstance(block, ToolUseBlock):
@@ -125,12 +133,7 @@ def _assistant_message(msg: InputMessage, where: str) -> dict[str, Any]:
                           "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
         elif isinstance(block, ThinkingBlock):
             reasoning.append(block.thinking)
-        elif isinstance(block, RedactedThinkingBlock):
-            continue  # opaque to anyone but its issuer: nothing the model could read
-        elif isinstance(block, (ImageBlock, DocumentBlock)):
-            raise _unsupported(block, at)
-        else:
-            raise BadRequest(f"{at}: a {block.type} block may only appear in a user message", param=at)
+        # a RedactedThinkingBlock is dropped: opaque to anyone but its issuer, nothing the model could read
     out: dict[str, Any] = {"role": "assistant", "content": texts or (None if calls else "")}
     if calls:
         out["tool_calls"] = calls

@@ -59,24 +59,27 @@ def _parse_port(text: str) -> int:
     return port
 
 
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value <= 0:
-        raise ValueError(f"must be a positive integer, got {value}")
-    return value
+def _int_at_least(low: int, expected: str) -> Callable[[str], int]:
+    """A parser of integers >= `low`; a smaller one is refused with "must be <expected>, got <value>"."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < low:
+            raise ValueError(f"must be {expected}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
+_num_blocks = _int_at_least(2, "at least 2 (block 0 is the reserved null block)")
 
 
 def _block_size(text: str) -> int:
     value = _int(text)
     if value <= 0 or value % 8:
         raise ValueError(f"must be a positive multiple of 8 (e.g. 64), got {value}")
-    return value
-
-
-def _num_blocks(text: str) -> int:
-    value = _int(text)
-    if value < 2:
-        raise ValueError(f"must be at least 2 (block 0 is the reserved null block), got {value}")
     return value
 
 
@@ -119,13 +122,6 @@ def _dtype(text: str) -> str:
         raise ValueError(f"{text!r} is not supported (no float16 kernels); use bfloat16, float32 or auto")
     if value not in ("auto", "float32", "bfloat16", "float64"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float64, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise ValueError(f"must be an integer >= 0, got {value}")
     return value
 
 

@@ -18,23 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from flashtier.server.http.error_types import ANTHROPIC_TYPES
+
 __all__ = ["ANTHROPIC_ERROR_SCHEMA", "MESSAGES_PREFIX", "anthropic_error_body", "anthropic_error_type",
            "is_messages_path"]
 
 MESSAGES_PREFIX = "/v1/messages"
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
+_TYPES = ANTHROPIC_TYPES
 
 
 # the shape in /openapi.json (the schemathesis suite checks every error of these paths against it)

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashtier.engine.client import QueueFullError
+from flashtier.server.http.error_types import OPENAI_TYPES
 from flashtier.server.http.anthropic_errors import anthropic_error_body, is_messages_path
 
 logger = logging.getLogger(__name__)
@@ -44,17 +45,7 @@ __all__ = [
     "install_error_handlers",
 ]
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-}
+_TYPES = OPENAI_TYPES
 
 
 class APIError(Exception):

@@ -8,7 +8,7 @@ tier, the replayed tokens and the resume provenance of the request.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -101,6 +101,21 @@ class ChatMessageOut(_Response):
 
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+ChoiceT = TypeVar("ChoiceT")
+
+
+class _ChoicesResponse(_Response, Generic[ChoiceT]):
+    """The leading fields, in this order, of a completion answer or a streamed chunk. A subclass narrows
+    ``object`` (or requires ``usage``): a field redeclared there keeps its place here (the JSON and the
+    OpenAPI document list it in this order)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChoiceT]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ChatChoice(_Response):
@@ -112,14 +127,9 @@ class ChatChoice(_Response):
     token_ids: list[int] | None = None  # with return_token_ids: the generated ids
 
 
-class ChatCompletionResponse(_Response):
-    id: str
+class ChatCompletionResponse(_ChoicesResponse[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
@@ -152,14 +162,8 @@ class ChatChunkChoice(_Response):
     token_ids: list[int] | None = None  # with return_token_ids: this step's ids (on the chunk that carries them)
 
 
-class ChatCompletionChunk(_Response):
-    id: str
+class ChatCompletionChunk(_ChoicesResponse[ChatChunkChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: on the first chunk
 
 
@@ -180,14 +184,8 @@ class CompletionChoice(_Response):
     token_ids: list[int] | None = None  # with return_token_ids: the generated ids (stop token excluded)
 
 
-class CompletionResponse(_Response):
-    id: str
+class CompletionResponse(_ChoicesResponse[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 # ---- models, tokenize, errors, health -----------------------------------------------------------------

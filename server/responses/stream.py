@@ -5,7 +5,7 @@ parser event becomes the events ``OutputBuilder`` makes (responses/output.py), f
 ``event: <type>\\ndata: <json>\\n\\n`` with an increasing ``sequence_number``; not streaming, the same
 builder only folds them, so the body's output equals the streamed one.
 
-``stream_responses`` is the sibling of generation.stream_response for this framing (no ``data: [DONE]``)::
+``stream_responses`` is generation.stream_events (as stream_response is) with this framing (no ``data: [DONE]``)::
 
     response.created, response.in_progress, <item events>..., then, after `on_final(response)` ran
     (the route stores the response there), response.completed | response.incomplete | response.failed
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +28,9 @@ from starlette.responses import Response
 from flashtier.server.openai.chat_choice import ChatChoiceState
 from flashtier.server.text.choice_text import TextStep
 from flashtier.server.http.errors import APIError
-from flashtier.server.serving.generation import Generation
+from flashtier.server.serving.generation import Generation, stream_events
 from flashtier.server.responses.response_object import ResponseEnvelope, response_status, responses_usage
 from flashtier.server.responses.output import OutputBuilder
-from flashtier.server.http.sse import SSEResponse
 
 __all__ = ["ResponsesRenderer", "stream_responses"]
 
@@ -105,24 +104,10 @@ async def stream_responses(gen: Generation[ChatChoiceState], renderer: Responses
                            on_final: Callable[[dict[str, Any]], Awaitable[None]]) -> Response:
     """Start the engine request, then stream the events; `on_final(response)` runs before the terminal
     event (so a client that saw ``response.completed`` can already continue from it)."""
-    await gen.start()
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            for chunk in renderer.head():
-                yield chunk
-            async for chunk in gen.render(renderer):
-                yield chunk
-            await on_final(renderer.result())
-            yield renderer.terminal()
-        except APIError as exc:
-            for chunk in renderer.failed(exc):
-                yield chunk
-        except Exception:
-            logger.exception("response stream %s failed", gen.request_id)
-            for chunk in renderer.failed(APIError(500, "internal server error; the details are in the server log")):
-                yield chunk
-        finally:
-            await gen.close(renderer)
+    async def finish() -> list[bytes]:
+        await on_final(renderer.result())
+        return [renderer.terminal()]
 
-    return SSEResponse(events(), headers={"X-Request-Id": gen.request_id})
+    return await stream_events(gen, renderer, finish=finish, failed=renderer.failed, log=logger,
+                               what="response stream")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -33,7 +33,9 @@ from flashtier.server.serving.metrics import RequestTracker
 from flashtier.server.http.sse import SSE_DONE, SSEResponse, sse_error, sse_event
 from flashtier.server.serving.state import merge_resume, sum_cache, usage_dict
 
-__all__ = ["BodyRenderer", "Generation", "OutputChoice", "StreamRenderer", "json_response", "stream_response"]
+__all__ = [
+    "BodyRenderer", "Generation", "OutputChoice", "StreamRenderer", "json_response", "stream_events", "stream_response",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +145,13 @@ class Generation(Generic[C]):
                             max_tokens=self.streams[0].params.max_tokens, n=self.n)
 
 
-async def stream_response(gen: Generation[C], renderer: StreamRenderer[C], *, include_usage: bool) -> Response:
-    """Start the engine requests, then stream the renderer's chunks, the usage chunk and ``[DONE]``."""
+async def stream_events(gen: Generation[C], renderer: StreamRenderer[C], *,
+                        finish: Callable[[], Awaitable[Iterable[bytes]]],
+                        failed: Callable[[APIError], Iterable[bytes]],
+                        log: logging.Logger = logger, what: str = "stream") -> Response:
+    """Start the engine requests, then stream: the renderer's head and chunks, then ``await finish()``'s
+    chunks. An error after the start ends the stream with ``failed(error)``'s chunks (any other exception
+    as a logged 500, ``"<what> <request id> failed"`` on `log`); every exit closes the generation."""
     await gen.start()
 
     async def events() -> AsyncIterator[bytes]:
@@ -153,20 +160,28 @@ async def stream_response(gen: Generation[C], renderer: StreamRenderer[C], *, in
                 yield chunk
             async for chunk in gen.render(renderer):
                 yield chunk
-            if include_usage:
-                yield gen.chunk([], gen.usage(), True)
-            yield SSE_DONE
+            for chunk in await finish():
+                yield chunk
         except APIError as exc:
-            yield sse_error(exc)
-            yield SSE_DONE
+            for chunk in failed(exc):
+                yield chunk
         except Exception:
-            logger.exception("stream %s failed", gen.request_id)
-            yield sse_error(APIError(500, "internal server error; the details are in the server log"))
-            yield SSE_DONE
+            log.exception("%s %s failed", what, gen.request_id)
+            for chunk in failed(APIError(500, "internal server error; the details are in the server log")):
+                yield chunk
         finally:
             await gen.close(renderer)
 
     return SSEResponse(events(), headers={"X-Request-Id": gen.request_id})
+
+
+async def stream_response(gen: Generation[C], renderer: StreamRenderer[C], *, include_usage: bool) -> Response:
+    """Start the engine requests, then stream the renderer's chunks, the usage chunk and ``[DONE]``."""
+
+    async def finish() -> list[bytes]:
+        return [gen.chunk([], gen.usage(), True), SSE_DONE] if include_usage else [SSE_DONE]
+
+    return await stream_events(gen, renderer, finish=finish, failed=lambda exc: [sse_error(exc), SSE_DONE])
 
 
 async def json_response(request: Request, gen: Generation[C], renderer: BodyRenderer[C]) -> Response:

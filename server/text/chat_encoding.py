@@ -31,7 +31,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from flashtier.server.text.dsml_markup import (
     CALLS_CLOSE,
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from flashtier.server.text.tokenizer import Tokenizer
 
 __all__ = [
+    "EncodeOptions",
     "REASONING_EFFORT_LEVELS",
     "encode_messages",
     "encode_to_ids",
@@ -364,24 +365,18 @@ def encode_messages(
     return "".join(out)
 
 
-def encode_to_ids(
-    tokenizer: Tokenizer,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    thinking: bool = False,
-    reasoning_effort: str | int | None = None,
-    add_generation_prompt: bool = True,
-    drop_thinking: bool = False,
-) -> list[int]:
+class EncodeOptions(TypedDict, total=False):
+    """The keywords of `encode_messages` that `encode_to_ids` passes on (all but system_marker)."""
+
+    tools: Sequence[Mapping[str, Any]] | None
+    thinking: bool
+    reasoning_effort: str | int | None
+    add_generation_prompt: bool
+    drop_thinking: bool
+
+
+def encode_to_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                  **options: Unpack[EncodeOptions]) -> list[int]:
     """`encode_messages` with the tokenizer's own system marker, tokenized (control tokens allowed)."""
-    text = encode_messages(
-        messages,
-        tools=tools,
-        thinking=thinking,
-        reasoning_effort=reasoning_effort,
-        add_generation_prompt=add_generation_prompt,
-        drop_thinking=drop_thinking,
-        system_marker=tokenizer.system_marker,
-    )
+    text = encode_messages(messages, system_marker=tokenizer.system_marker, **options)
     return tokenizer.encode(text, allow_special=True)

@@ -12,7 +12,7 @@ Traffic (block size 16, an HBM pool of 36 blocks, so one long prompt pushes a co
 
 Then every query of both dashboards (Grafana's variables made concrete) and every operand of every alert
 (rules.py's conditions split at comparisons and and/unless) is evaluated through Prometheus' HTTP API: each
-must return at least one series and no NaN. Prometheus must have loaded and evaluated all 12 rules.
+must return at least one series and no NaN. Prometheus must have loaded and evaluated all 13 rules.
 
 The tools: while the server runs, `flashtier kv stats` (the real entry point) refuses its directory naming
 its pid; once it is stopped, `kv stats` counts the entries the server reported, `kv verify` passes, finds
@@ -147,7 +147,7 @@ def test_every_dashboard_query_and_alert_operand_returns_data(stack):
 
 def test_prometheus_loads_and_evaluates_every_rule(stack):
     rules = stack.prometheus.rules()
-    assert len(rules) == len(rule_queries()) == 12
+    assert len(rules) == len(rule_queries()) == 13
     assert all(rule["health"] == "ok" and not rule.get("lastError") for rule in rules), rules
     firing = [rule["name"] for rule in rules if rule["state"] == "firing"]
     assert firing == []  # `for:` alerts cannot fire this soon; the others (SSD write errors, corrupt records) must not
