@@ -57,6 +57,7 @@ HEAVY_FILES = {
     "tests/kernels/test_indexer_topk.py": 165,
     "tests/engine/test_speculative.py": 106,
     "tests/engine/test_oracle.py": 104,
+    "tests/engine/test_exact_retry.py": 70,  # measured alone on 2 idle cores, like the ones added below
     "tests/engine/test_tiers.py": 98,
     "tests/engine/test_parallel_forward.py": 97,
     "tests/kernels/test_sparse_mqa.py": 84,
@@ -66,6 +67,8 @@ HEAVY_FILES = {
     "tests/engine/test_structured_output.py": 38,
     "tests/kernels/test_moe_split_k.py": 34,
     "tests/engine/test_batched_forward.py": 32,
+    "tests/server/test_admin_tenant_delete.py": 16,
+    "tests/engine/test_tenant_delete_engine.py": 15,
 }
 
 
