@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--budget", type=int, default=8192)
+    ap.add_argument("--modes", default="cold,warm,restart", help="which processes to run (restart needs warm)")
     ap.add_argument("--json")
     ap.add_argument("--mode", choices=["cold", "warm", "restart"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -101,6 +102,8 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as cold_cache, tempfile.TemporaryDirectory() as kept_cache:
         for mode, cache in (("cold", cold_cache), ("warm", kept_cache), ("restart", kept_cache)):
+            if mode not in args.modes.split(","):
+                continue
             argv = [sys.executable, "-P", __file__, *sys.argv[1:], "--mode", mode]
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
             out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout

@@ -7,6 +7,9 @@ first requests. ``warm_up`` runs throwaway requests through the real ``Engine.st
 prefill (chunked at the token budget), the first-token sampling and the captured decode steps all run once:
 
     for b in sizes:  b requests of one block + 8 tokens (distinct ids: no prefix sharing), 4 decode steps each
+    the smallest b also with prompts of 4 blocks + 16 tokens (beyond the sliding window: the compressed-KV and
+    indexer paths, and token counts divisible by 16, which Triton specialises on) and of one full token budget
+    (the largest prefill chunk)
 
 The tiers are detached meanwhile (nothing reaches the SSD tier or the snapshot pool) and the scheduler's and the
 engine's counters are restored afterwards, so /metrics starts from zero. The throwaway prompts' blocks stay in
@@ -59,7 +62,7 @@ def warmup_sizes(engine: Engine) -> tuple[int, ...]:
 def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpReport:
     """Run the throwaway batches (module docstring). Mutates the engine's pool (cached throwaway blocks), its
     graphs (captured) and nothing a client sees. Leaves no request behind."""
-    sizes = warmup_sizes(engine) if sizes is None else sizes
+    sizes = tuple(sorted(warmup_sizes(engine) if sizes is None else sizes))
     block = engine.kvm.layout.block_size
     vocab = engine.model.cfg.vocab_size
     scheduler = engine.scheduler

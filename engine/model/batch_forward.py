@@ -21,7 +21,7 @@ import torch
 
 from flashtier.engine.model.compressor import PartialGroup
 from flashtier.engine.model.engram import ngram_ids
-from flashtier.engine.model.layer_forward import GlobalEntries, LocalKeys, SeqRun, attend, project_decoder_entries
+from flashtier.engine.model.layer_forward import GlobalEntries, LocalKeys, StepSlots, attend, project_decoder_entries
 from flashtier.engine.model.mhc import identity_pre
 from flashtier.engine.model.numerics import qdq
 from flashtier.engine.model.transformer import Transformer
@@ -67,7 +67,7 @@ def _run_layers(
     cfg = model.cfg
     segs = _segments([p.numel() for p in positions])
     pos_all = torch.cat(list(positions))
-    runs = [SeqRun(s.stores, cfg.sliding_window, s.write_from if encoder else None) for s in states]
+    slots = [StepSlots() for _ in states]
     for layer in layers:
         block = model.layers[layer]
         attn = block.attn
@@ -79,8 +79,10 @@ def _run_layers(
         for i, (state, seg) in enumerate(zip(states, segs)):
             start = state.enc_start if encoder else state.dec_start
             o[seg], part = attend(
-                block, h[seg], q[seg], qr[seg], kv[seg], positions[i], state.ring_keys(layer, start), runs[i],
+                block, h[seg], q[seg], qr[seg], kv[seg], positions[i], state.ring_keys(layer, start),
+                state.stores, slots[i], window=cfg.sliding_window,
                 partial=state.partial.get(layer) if encoder else None,
+                write_from=state.write_from if encoder else None,
             )
             if encoder and layer in state.partial:
                 state.partial[layer] = part

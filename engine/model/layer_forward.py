@@ -127,21 +127,6 @@ class StepSlots:
     pool: torch.Tensor | None = None  # layer 20's candidate mask [T, E]
 
 
-@dataclass
-class SeqRun:
-    """What every layer shares over one sequence's run of queries; built once per run, outside the layer loop.
-
-    ``stores`` are the sequence's global entries per KV source; a ratio-2 source layer appends the entries its
-    tokens complete, only for positions >= ``write_from`` (``None`` = never, used for layer 20 whose entries
-    are projected separately). ``window`` is the sliding window.
-    """
-
-    stores: Mapping[int, GlobalEntries]
-    window: int
-    write_from: int | None = None
-    slots: StepSlots = field(default_factory=StepSlots)
-
-
 def compute_entries(
     block: Block, h: torch.Tensor, pos: torch.Tensor, partial: PartialGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PartialGroup | None]:
@@ -170,23 +155,26 @@ def attend(
     kv: torch.Tensor,
     pos: torch.Tensor,
     local: LocalKeys,
-    run: SeqRun,
+    stores: Mapping[int, GlobalEntries],
+    slots: StepSlots,
     *,
+    window: int,
     partial: PartialGroup | None = None,
+    write_from: int | None = None,
 ) -> tuple[torch.Tensor, PartialGroup | None]:
     """The attention core of one sequence's run of queries at consecutive positions ``pos`` [T].
 
     h [T, D] is the attention input, q [T, H, hd] / qr the projected queries, kv [T, hd] these
-    tokens' (dequantised) window KV. Mutates ``run.stores`` (see ``SeqRun``) and ``run.slots``.
-    Returns (o [T, H, hd], new partial group).
+    tokens' (dequantised) window KV. Mutates ``stores`` (a ratio-2 source layer appends the entries
+    its tokens complete, only for positions >= ``write_from``; ``None`` = never, used for layer 20
+    whose entries are projected separately) and ``slots``. Returns (o [T, H, hd], new partial group).
     """
     role = block.role
     attn = block.attn
-    stores, slots = run.stores, run.slots
     gkv = gmask = None
     if role.ratio > 0:
-        if role.role == "full" and run.write_from is not None:
-            sel = pos >= run.write_from
+        if role.role == "full" and write_from is not None:
+            sel = pos >= write_from
             entries, main, index_k, partial = compute_entries(block, h[sel], pos[sel], partial)
             stores[role.index].write(entries, main, index_k)
         store = stores[role.kv_source]
@@ -210,7 +198,7 @@ def attend(
 
     keys = torch.cat((local.kv.to(kv.dtype), kv))
     kpos = torch.cat((local.pos, pos))
-    lo = torch.clamp(pos - run.window + 1, min=local.start)
+    lo = torch.clamp(pos - window + 1, min=local.start)
     mask = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= 0)
     return sparse_attention(q, keys, mask, gkv, gmask, attn.attn_sink, attn.scale), partial
 
@@ -221,9 +209,12 @@ def layer_forward(
     pre_in: torch.Tensor,
     pos: torch.Tensor,
     local: LocalKeys,
-    run: SeqRun,
+    stores: Mapping[int, GlobalEntries],
+    slots: StepSlots,
     *,
+    window: int,
     partial: PartialGroup | None = None,
+    write_from: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PartialGroup | None]:
     """Run layer ``block`` over one sequence's queries x [T, hc, D] at consecutive positions pos [T].
 
@@ -234,7 +225,10 @@ def layer_forward(
     h, amix = block.attn_input(x, pre_in)
     q, qr = attn.project_q(h, pos)
     kv_raw = attn.project_kv_raw(h, pos)
-    o, partial = attend(block, h, q, qr, qdq(fp8_qdq, kv_raw), pos, local, run, partial=partial)
+    o, partial = attend(
+        block, h, q, qr, qdq(fp8_qdq, kv_raw), pos, local, stores, slots,
+        window=window, partial=partial, write_from=write_from,
+    )
     x, pre = block.finish(attn.output(o, pos), x, amix)
     return x, pre, kv_raw, partial
 

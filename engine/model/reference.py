@@ -29,7 +29,7 @@ from flashtier.engine.model.engram import ngram_ids
 from flashtier.engine.model.layer_forward import (
     EntryStore,
     LocalKeys,
-    SeqRun,
+    StepSlots,
     layer_forward,
     project_decoder_entries,
 )
@@ -117,13 +117,13 @@ def reference_forward(model: Transformer, tokens: torch.Tensor, plan: Plan) -> R
             pos = torch.arange(s, total, device=dev)
             x = model.embed_streams(tokens[s:])
             pre = identity_pre(total - s, cfg.hc_mult, dev, cdt)
-            run = SeqRun(stores, w, write_from=r)
+            slots = StepSlots()
             for layer in range(n_enc):
                 block = model.layers[layer]
                 if block.engram is not None:
                     x = block.engram(x, ngrams[s:])
                 local = LocalKeys.empty(cfg.head_dim, start=s, device=dev, dtype=cdt)
-                x, pre, _, _ = layer_forward(block, x, pre, pos, local, run)
+                x, pre, _, _ = layer_forward(block, x, pre, pos, local, stores, slots, window=w, write_from=r)
             enc_x[s:], enc_pre[s:] = x, pre
             project_decoder_entries(model, x, pre, pos, stores[cfg.decoder_source], write_from=r)
         if turn.decoder_start is None:
@@ -131,13 +131,13 @@ def reference_forward(model: Transformer, tokens: torch.Tensor, plan: Plan) -> R
         d, e = turn.decoder_start, turn.end
         pos = torch.arange(d, e, device=dev)
         x, pre = enc_x[d:e], enc_pre[d:e]
-        run = SeqRun(stores, w)
+        slots = StepSlots()
         for layer in range(n_enc, cfg.num_hidden_layers):
             block = model.layers[layer]
             if block.engram is not None:
                 x = block.engram(x, ngrams[d:e])
             local = LocalKeys.empty(cfg.head_dim, start=d, device=dev, dtype=cdt)
-            x, pre, _, _ = layer_forward(block, x, pre, pos, local, run)
+            x, pre, _, _ = layer_forward(block, x, pre, pos, local, stores, slots, window=w)
         lo = max(d, plan.logits_from)
         if lo < e:
             out[lo - plan.logits_from : e - plan.logits_from] = model.logits(x[lo - d :], pre[lo - d :])
