@@ -154,7 +154,8 @@ def _run(engine, coro):
     return asyncio.run_coroutine_threadsafe(coro, engine.tiers._loop).result(timeout=10)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+# greedy only: the seeded retries above already cover a seed's draws across a resume (make test's time)
+@pytest.mark.parametrize("params", [GREEDY], ids=["greedy"])
 def test_a_clean_restart_without_redis_resumes_exactly(tiny64, tmp_path, params):
     """The embedded pool is saved beside the SSD tier at a clean shutdown and loaded at start-up: a retry
     and a next turn after the restart both resume exactly (before: the pool was empty, every resume a
