@@ -26,7 +26,7 @@ from flashtier.engine.runner.decode_step import is_plain_decode
 from flashtier.engine.engine_stats import spec_fields, tier_stats
 from flashtier.engine.kv.manager import KVManager, SequenceSpec
 from flashtier.engine.model.transformer import Transformer
-from flashtier.engine.output_builder import build_output
+from flashtier.engine.core.output_builder import build_output
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.postprocess import Postprocessor
 from flashtier.engine.core.request import Request

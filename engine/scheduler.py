@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtier.engine.fork import fork
+from flashtier.engine.core.fork import fork
 from flashtier.engine.kv.manager import KVManager
 from flashtier.engine.grammar.constraint import GrammarState
-from flashtier.engine.preemption import blocks_to_swap_in, swap_in, swap_out
+from flashtier.engine.core.preemption import blocks_to_swap_in, swap_in, swap_out
 from flashtier.engine.core.outputs import ResumeInfo
 from flashtier.engine.core.request import FinishReason, Request, Sequence
 from flashtier.engine.core.request_state import RUNNING, RequestStatus, transition

@@ -22,7 +22,7 @@ from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.block_hash import BlockHash
 
 if TYPE_CHECKING:
-    from flashtier.engine.preemption import SwappedState
+    from flashtier.engine.core.preemption import SwappedState
     from flashtier.engine.spec.state import SpecState
     from flashtier.engine.tiers.manager import TierLookup
 

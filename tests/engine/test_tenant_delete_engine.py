@@ -15,10 +15,10 @@ from flashtier.engine.sample.params import SamplingParams
 from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.block_hash import namespace_hash
 from flashtier.kvstore.config import KVStoreConfig
-from flashtier.kvstore.ssd.record import HEADER_BYTES, MAGIC, RecordCorrupt, decode_header
 from flashtier.kvstore.tenant import tenant_tag
 
 from .conftest import random_prompt
+from ..kvstore.ssd_store_support import ssd_payloads
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -28,23 +28,6 @@ def _engine(model, tmp_path: Path, tiers: bool = True, caching: bool = True) -> 
     kv = KVStoreConfig(block_size=BS, num_blocks=300, ssd_dir=str(tmp_path / "ssd") if tiers else None,
                        enable_prefix_caching=caching)
     return Engine(model, EngineConfig(max_num_batched_tokens=256), kv, TierManager(kv) if tiers else None)
-
-
-def _records(directory: Path) -> dict[bytes, set[bytes]]:
-    """tenant tag -> payloads of the SSD records found in any file under ``directory``."""
-    out: dict[bytes, set[bytes]] = {}
-    for path in directory.rglob("*"):
-        data = path.read_bytes() if path.is_file() else b""
-        at = data.find(MAGIC)
-        while at >= 0:
-            try:
-                h = decode_header(data[at : at + HEADER_BYTES])
-            except RecordCorrupt:
-                pass
-            else:
-                out.setdefault(h.tenant, set()).add(data[at + HEADER_BYTES : at + HEADER_BYTES + h.length])
-            at = data.find(MAGIC, at + 1)
-    return out
 
 
 async def _run(eng: AsyncEngine, rid: str, prompt: list[int], salt: str):
@@ -68,7 +51,7 @@ def test_delete_tenant_clears_hbm_ssd_and_snapshots_and_keeps_the_other(tiny64, 
                 fut.result(timeout=30)
             hits = {s: (await _run(eng, f"{s}-2", p, s))[1] for s, p in prompts.items()}
             assert hits["acme"].cached_tokens >= 64 and hits["other"].cached_tokens >= 64  # could fail below
-            before = _records(tmp_path / "ssd")
+            before = ssd_payloads(tmp_path / "ssd")
             snaps = engine.tiers.snapshots
             acme_ns = namespace_hash(engine.fingerprint, "acme")
             assert any(k.namespace == acme_ns for k in list(snaps._lru))
@@ -82,7 +65,7 @@ def test_delete_tenant_clears_hbm_ssd_and_snapshots_and_keeps_the_other(tiny64, 
             assert rep.hbm_free_blocks >= 4 and rep.hbm_in_use_blocks == 0
             assert rep.ssd_records_deleted == len(before[tenant_tag("acme")]) and rep.ssd_live_deleted >= 4
             assert rep.snapshots_deleted >= 1
-            after = _records(tmp_path / "ssd")
+            after = ssd_payloads(tmp_path / "ssd")
             assert tenant_tag("acme") not in after and after[tenant_tag("other")] >= before[tenant_tag("other")]
             for payload in before[tenant_tag("acme")]:
                 assert not any(payload in p.read_bytes() for p in (tmp_path / "ssd").rglob("*") if p.is_file())

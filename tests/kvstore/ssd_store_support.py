@@ -81,3 +81,24 @@ def flip(store, k: BlockHash, at: int) -> None:
         b = f.read(1)
         f.seek(e.offset + at)
         f.write(bytes([b[0] ^ 0x5A]))
+
+
+def ssd_payloads(kv_dir) -> dict[bytes, set[bytes]]:
+    """tenant tag -> payloads of its SSD records in every file under ``kv_dir`` (records found by magic)."""
+    from flashtier.kvstore.ssd.record import HEADER_BYTES, MAGIC, RecordCorrupt, decode_header
+
+    out: dict[bytes, set[bytes]] = {}
+    for path in kv_dir.rglob("*"):
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        at = data.find(MAGIC)
+        while at >= 0:
+            try:
+                h = decode_header(data[at : at + HEADER_BYTES])
+            except RecordCorrupt:
+                pass
+            else:
+                out.setdefault(h.tenant, set()).add(data[at + HEADER_BYTES : at + HEADER_BYTES + h.length])
+            at = data.find(MAGIC, at + 1)
+    return out

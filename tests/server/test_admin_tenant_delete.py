@@ -13,35 +13,16 @@ import pytest
 
 from flashtier.engine.model.loader import demo_checkpoint
 from flashtier.kvstore.snapshot.key import SnapshotKey
-from flashtier.kvstore.ssd.record import HEADER_BYTES, MAGIC, RecordCorrupt, decode_header
 from flashtier.kvstore.tenant import api_key_tenant, tenant_tag
 
 from ..kvstore.redis_server import RedisServer
 from .conftest import run_server
 from .test_api_tiers import BS, Server, _chunk
+from ..kvstore.ssd_store_support import ssd_payloads
 
 ADMIN = "admin-secret"
 KEYS = {"a": "key-a", "b": "key-b"}
 MARKER = "MARKER-tenant-a-7c1e"
-
-
-def ssd_payloads(kv_dir: Path) -> dict[bytes, set[bytes]]:
-    """tenant tag -> payloads of its SSD records in every file under ``kv_dir`` (records found by magic)."""
-    out: dict[bytes, set[bytes]] = {}
-    for path in kv_dir.rglob("*"):
-        if not path.is_file():
-            continue
-        data = path.read_bytes()
-        at = data.find(MAGIC)
-        while at >= 0:
-            try:
-                h = decode_header(data[at : at + HEADER_BYTES])
-            except RecordCorrupt:
-                pass
-            else:
-                out.setdefault(h.tenant, set()).add(data[at + HEADER_BYTES : at + HEADER_BYTES + h.length])
-            at = data.find(MAGIC, at + 1)
-    return out
 
 
 def files_holding(kv_dir: Path, needle: bytes) -> list[Path]:
