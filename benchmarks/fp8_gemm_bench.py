@@ -1,18 +1,39 @@
-"""FP8 block-scaled GEMM on one CUDA GPU: correctness and speed on the V4.1 linears, decode and prefill.
+"""FP8 linears of flash-16e (the V4.1-Flash geometry) at decode sizes: the two-launch path against the fused one.
 
-For every linear (weight N x K as stored: e4m3 + e8m0 per 32 x 32, or per 1 x 32 for the expert-like row)
-and batch M, with the activations already quantised (``act_quant`` is timed on its own):
+For every FP8 weight shape of the model (N x K as stored: e4m3 + e8m0 per 32 x 32) and batch M in 1, 8, 64, with
+fp32 activations x [M, K] (what the model hands the linear), each variant computes y = linear(x) [M, N] fp32:
 
-    floor_us  = (weight + weight scales + activation codes + scales + output) bytes / copy rate
-    copy rate = bytes read + written by a 2 GiB device-to-device copy, measured in this run
-    TFLOP/s   = 2 M N K / time, next to the same-shape torch bf16 matmul (bf16_us) and the 8192^3 bf16 rate
-    err       = worst |y - ref| / (reference GEMM of |a|, |w|) (tests/kernels/test_fp8_gemm.py's metric)
+    two_launch_reduce  act_quant launch, GEMM launch, split-K reduce launch (the form before the fused kernel)
+    two_launch         act_quant launch, GEMM launch (split-K summed in the GEMM: the ordered fix-up)
+    fused              one launch: x quantised in registers (hardware e4m3 conversion), fp8 MMA per 32-block
+    fused_bits         the same with the quantiser's integer rounding instead of the hardware conversion
+    fused_bf16mma      one launch, operands decoded to bf16 with the scales folded in, one MMA chain (other bits)
 
-Times are medians of triton.testing.do_bench (L2 cleared before every run) of the launcher alone (argument
-checks are host work). ``--sweep`` also times a grid of launch shapes per (linear, M) and prints the fastest,
-so ``default_config`` can be tuned from measurements. ``--json`` writes the docs/perf file.
+wo_a (grouped, activation not quantised) runs its one form (``fp8_gemm`` with float x) as ``float_act``.
 
-Usage: python3 -P benchmarks/fp8_gemm_bench.py --json OUT.json [--sweep]   (flashtier importable, TRITON_INTERPRET=0)
+    floor_us = max(bytes / copy rate, 2 M N K / fp8 dense peak)
+    bytes    = weight + weight scales + x (fp32) + y (fp32): what any implementation must move once
+    copy rate= bytes read + written by a 2 GiB device-to-device copy, measured in this run
+    ratio    = us / floor_us (the goal: <= 1.3 at M = 1, 8, 64)
+
+Times: CUDA-graph replays of C calls on C copies of the weight (C x weight bytes >= 3 x L2, so every call reads
+its weight from HBM as in a decode step), median of 5 replays / C. Checks (``--smoke`` too): each variant against
+the reference (``quantize_fp8`` + ``fp8_gemm_reference``): |y - ref| <= tol * sum |a*w| with tol 2^-10 for the
+fp8 MMA (Hopper's fp8 MMA adds a block's 32 products with ~14 bits), 2^-12 for the bf16 MMA chain and the float
+activation; bit-exact: fused, fused_bits, two_launch and two_launch_reduce are torch.equal; batch invariance:
+rows 0..M-1 of the fused call at M = 1 and 8, and of an 80-row call (quantise launch, then the GEMM), equal the
+same rows at M = 64. Exit status 1 if any check fails.
+
+Then the float linear whose CUDA-core FMA dot was replaced by six bf16 tensor-core products
+(kernels/invariant_linear mode 2): the mHC mixes, fp32 x [M, 20480] by fp32 w [24, 20480], timed the same way,
+checked against float64 (2^-18 of sum |x*w|) and for batch invariance.
+
+``--tune`` (longer; not part of the 6-minute run) times launch shapes and reductions per weight shape and prints
+``kernels/fp8_gemm/tuning.py`` entries for this device: the reduction (split_k, mma) minimising the summed time of
+M = 1, 8, 64, then the fastest tile per row bucket for it.
+
+Usage: python3 -P benchmarks/fp8_gemm_bench.py --json OUT.json [--tune]   (flashtier importable, TRITON_INTERPRET=0)
+       TRITON_INTERPRET=1 python3 -P benchmarks/fp8_gemm_bench.py --smoke  (tiny shapes on the CPU: checks only)
 """
 
 from __future__ import annotations
@@ -20,150 +41,318 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
+import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
-from flashtier.kernels.fp8_gemm.kernel import Fp8GemmConfig, default_config, fp8_gemm_triton
-from flashtier.kernels.fp8_gemm.op import act_quant, fp8_gemm
+from flashtier.kernels.fp8_gemm import tuning
+from flashtier.kernels.fp8_gemm.kernel import Fp8GemmConfig, default_config, fp8_gemm_triton, split_counters
+from flashtier.kernels.fp8_gemm.op import fp8_gemm, fp8_gemm_fused
+from flashtier.kernels.invariant_linear.op import linear as invariant_linear
+from flashtier.kernels.quant.fp8 import quantize_fp8
 
-DEV = "cuda"
-# name: (N, K per group, block_n, groups)
-LINEARS = {
-    "wq_a": (1280, 5120, 32, 1), "wq_b": (32768, 1280, 32, 1), "wkv": (512, 5120, 32, 1),
-    "wo_a(G8, bf16 act)": (8192, 4096, 32, 8), "wo_b": (5120, 8192, 32, 1), "idx_wq_b": (4096, 1280, 32, 1),
-    "engram_wkv": (25600, 6144, 32, 1), "main_proj": (5120, 15360, 32, 1), "expert_w1(1x32)": (2304, 5120, 1, 1),
+# name: (N, K per group, groups): the FP8 linears of one V4.1 layer (+ indexer, Engram, DSpark)
+SHAPES = {
+    "wq_a": (1280, 5120, 1), "wq_b": (32768, 1280, 1), "wkv": (512, 5120, 1), "wo_a(G8)": (8192, 4096, 8),
+    "wo_b": (5120, 8192, 1), "idx_wq_b": (4096, 1280, 1), "engram_wkv": (25600, 6144, 1),
+    "main_proj": (5120, 15360, 1),
 }
-BATCHES = (1, 3, 17, 64, 300, 2048, 8192)
-SWEEP_BATCHES = (1, 17, 64, 2048)
-DECODE_SWEEP = [Fp8GemmConfig(16, bn, bk, s, 4, 4) for bn in (64, 128) for bk in (128, 256) for s in (1, 2, 4, 8, 16)]
-PREFILL_SWEEP = [Fp8GemmConfig(128, 128, 128, 1, 8, 3), Fp8GemmConfig(128, 128, 64, 1, 8, 4),
-                 Fp8GemmConfig(64, 128, 128, 1, 4, 3), Fp8GemmConfig(128, 64, 128, 1, 4, 3),
-                 Fp8GemmConfig(128, 256, 128, 1, 8, 3), Fp8GemmConfig(256, 128, 128, 1, 8, 3)]
+SMOKE_SHAPES = {"small": (96, 256, 1), "split": (40, 1024, 1), "grouped": (64, 128, 2)}
+# the float linear whose FMA dot was replaced (kernels/invariant_linear, mode 2): the mHC mixes, fp32 [24, 4 x 5120]
+MHC = (24, 20480)
+SMOKE_MHC = (24, 1024)
+MHC_TOL = 2**-18  # of sum |x*w|: six bf16 part products (dropped terms < 2^-32), fp32 tensor-core accumulation
+BATCHES = (1, 8, 64)
+TOL = {"fp8": 2**-10, "bf16": 2**-12}
+# dense fp8 tensor-core peak (FLOP/s) by device name; the floor's FLOP term
+FP8_PEAK = {"H100 PCIe": 1513e12, "H100": 1979e12, "H200": 1979e12, "H20": 296e12, "L40S": 733e12}
+TUNE_TILES = {16: [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (16, 128, 128, 8, 4),
+                   (16, 32, 128, 4, 4)],
+              64: [(64, 64, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 64, 8, 4), (64, 256, 64, 8, 3),
+                   (64, 64, 64, 4, 4)]}
+TUNE_SPLITS = (1, 2, 4, 8, 16, 32)
 
 
-def make_inputs(m: int, n: int, k: int, bn: int, groups: int, seed: int = 0) -> dict:
-    """Random codes (never the NaN patterns) and scales near 1, made on the GPU."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    codes = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.uint8, device=DEV) & 0xF7  # noqa: E731
-    scales = lambda *s: torch.randint(118, 131, s, generator=g, dtype=torch.uint8, device=DEV)  # noqa: E731
-    inp = dict(w=codes(n, k), ws=scales(-(-n // bn), k // 32), bn=bn, groups=groups)
-    if groups > 1:  # wo_a: the attention output, not quantised (official bf16 einsum)
-        inp.update(a=torch.randn(m, groups * k, generator=g, device=DEV).to(torch.bfloat16), sa=None)
-    else:
-        inp.update(a=codes(m, k), sa=scales(m, k // 32))
-    return inp
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One weight and its activations, made on the device."""
+
+    name: str
+    w: torch.Tensor  # uint8 e4m3 codes [N, K per group]
+    ws: torch.Tensor  # uint8 e8m0 [N / 32, K per group / 32]
+    x: torch.Tensor  # fp32 [max batch, groups * K]
+    groups: int
 
 
-def floor_bytes(m: int, inp: dict) -> int:
-    a, sa = inp["a"], inp["sa"]
-    return (inp["w"].numel() + inp["ws"].numel() + a.numel() * a.element_size()
-            + (sa.numel() if sa is not None else 0) + m * inp["w"].shape[0] * 4)
+def make_case(name: str, n: int, k: int, groups: int, rows: int, dev: str, seed: int = 0) -> Case:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8, device=dev) & 0xF7  # never a NaN code
+    ws = torch.randint(118, 131, (-(-n // 32), k // 32), generator=g, dtype=torch.uint8, device=dev)
+    spread = torch.exp2(torch.randint(-6, 6, (rows, groups * k // 32), generator=g, device=dev).float())
+    x = torch.randn(rows, groups * k, generator=g, device=dev) * spread.repeat_interleave(32, 1)
+    return Case(name, w, ws, x, groups)
 
 
-def check(inp: dict, cfg: Fp8GemmConfig | None) -> float:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    args = (inp["a"], inp["sa"], inp["w"], inp["ws"])
-    kw = dict(block_n=inp["bn"], groups=inp["groups"])
-    ref = fp8_gemm(*args, impl="reference", **kw)
-    abs_a = inp["a"].abs() if inp["sa"] is None else inp["a"] & 0x7F
-    bound = fp8_gemm(abs_a, inp["sa"], inp["w"] & 0x7F, inp["ws"], impl="reference", **kw)
-    out = fp8_gemm(*args, impl="triton", config=cfg, **kw)
-    if not bool(torch.isfinite(out).all()):
-        return float("inf")
-    return float(((out - ref).abs() / bound.clamp_min(1e-30)).max())
+def variants(case: Case, m: int) -> dict:
+    """name -> (callable(x, w, ws) -> y, MMA form for the tolerance)."""
+    dev = case.x.device
+    n, k = case.w.shape
+    cfg = default_config(m, n, k, dev)
+    cnt = split_counters(triton.cdiv(n, 16), dev)
+    if case.groups > 1:
+        return {"float_act": (lambda x, w, ws: fp8_gemm(x, None, w, ws, groups=case.groups, impl="triton",
+                                                          counters=cnt), "bf16")}
+
+    def two(reduce_launch):
+        def run(x, w, ws):
+            codes, scales = quantize_fp8(x, impl="triton")
+            out = torch.empty((x.shape[0], n), dtype=torch.float32, device=dev)
+            return fp8_gemm_triton(codes, scales, w, ws, 32, 1, out, cfg, counters=cnt, reduce_launch=reduce_launch)
+        return run
+
+    bits = dataclasses.replace(cfg, quant="bits")
+    bf16 = dataclasses.replace(cfg, mma="bf16")
+    return {
+        "two_launch_reduce": (two(True), "fp8"),
+        "two_launch": (two(False), "fp8"),
+        "fused": (lambda x, w, ws: fp8_gemm_fused(x, w, ws, impl="triton", config=cfg, counters=cnt, fuse=True), "fp8"),
+        "fused_bits": (lambda x, w, ws: fp8_gemm_fused(x, w, ws, impl="triton", config=bits, counters=cnt, fuse=True), "fp8"),
+        "fused_bf16mma": (lambda x, w, ws: fp8_gemm_fused(x, w, ws, impl="triton", config=bf16, counters=cnt, fuse=True),
+                          "bf16"),
+    }
 
 
-def timed(inp: dict, cfg: Fp8GemmConfig | None, rep: int = 200) -> float:
-    out = torch.empty((inp["a"].shape[0], inp["w"].shape[0]), dtype=torch.float32, device=DEV)
-    args = (inp["a"], inp["sa"], inp["w"], inp["ws"], inp["bn"], inp["groups"], out, cfg)
-    return 1e3 * do_bench(lambda: fp8_gemm_triton(*args), warmup=10, rep=rep, return_mode="median")
+def reference(case: Case, x: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+    """The spec on the device; ``absolute``: the same sum over |a| and |w| (the error bound's scale)."""
+    w = case.w & 0x7F if absolute else case.w
+    if case.groups > 1:
+        return fp8_gemm(x.abs() if absolute else x, None, w, case.ws, groups=case.groups, impl="reference")
+    codes, scales = quantize_fp8(x, impl="reference")
+    return fp8_gemm(codes & 0x7F if absolute else codes, scales, w, case.ws, impl="reference")
 
 
-def bf16_us(m: int, n: int, k: int, groups: int) -> float:
-    a = torch.randn(groups, m, k, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(groups, k, n // groups, device=DEV, dtype=torch.bfloat16)
-    return 1e3 * do_bench(lambda: torch.bmm(a, w), warmup=25, rep=200, return_mode="median")
+def check(case: Case) -> list[str]:
+    """Failures of one shape's checks (empty when all pass): tolerance, bit-exactness, batch invariance."""
+    bad = []
+    x64 = case.x[:64]
+    ref, bound = reference(case, x64), reference(case, x64, absolute=True)
+    outs = {}
+    for name, (fn, form) in variants(case, 64).items():
+        y = outs[name] = fn(x64, case.w, case.ws)
+        worst = float(((y - ref).abs() / bound.clamp_min(1e-30)).max())
+        if not worst <= TOL[form]:
+            bad.append(f"{case.name} {name}: {worst:.2e} of sum |a*w| > {TOL[form]:.1e}")
+    same = [v for v in ("two_launch_reduce", "two_launch", "fused", "fused_bits") if v in outs]
+    for v in same[1:]:
+        if not torch.equal(outs[v], outs[same[0]]):
+            bad.append(f"{case.name}: {v} differs from {same[0]} (expected bit-identical)")
+    for name in ("fused", "fused_bf16mma", "float_act"):
+        if name not in outs:
+            continue
+        for m in (1, 8):
+            fn = variants(case, m)[name][0]
+            if not torch.equal(fn(case.x[:m], case.w, case.ws), outs[name][:m]):
+                bad.append(f"{case.name} {name}: rows of an M={m} call differ from the same rows at M=64")
+        if case.x.shape[0] > 64:
+            fn = variants(case, case.x.shape[0])[name][0]
+            if not torch.equal(fn(case.x, case.w, case.ws)[:64], outs[name]):
+                bad.append(f"{case.name} {name}: rows of an M={case.x.shape[0]} call differ from M=64")
+    return bad
 
 
-def act_quant_us(m: int, k: int) -> float:
-    x = torch.randn(m, k, device=DEV)
-    return 1e3 * do_bench(lambda: act_quant(x), warmup=25, rep=200, return_mode="median")
+def graph_us(fn, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Median time of one call: a CUDA graph of one call per weight copy, replayed 5 times (CPU: one call's wall
+    time, for ``--smoke`` only)."""
+    if not x.is_cuda:
+        t = time.perf_counter()
+        fn(x, *weights[0])
+        return (time.perf_counter() - t) * 1e6
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w, ws in weights[:2]:  # compile and warm outside the capture
+            fn(x, w, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w, ws in weights:
+            fn(x, w, ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+    del graph
+    return statistics.median(times)
 
 
-def copy_rate() -> float:
-    x = torch.randint(0, 256, (2 << 30,), dtype=torch.uint8, device=DEV)
+def copy_rate(dev: str) -> float:
+    """Bytes read + written per second by a device-to-device copy (2 GiB; 64 MiB on the CPU)."""
+    x = torch.empty((2 << 30) if dev == "cuda" else (64 << 20), dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    return 2 * x.numel() / (do_bench(lambda: y.copy_(x), warmup=10, rep=100, return_mode="median") * 1e-3)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    y.copy_(x)
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync()
+    rate = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    del x, y
+    return rate
 
 
-def gemm_rate() -> float:
-    a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    return 2 * 8192**3 / (do_bench(lambda: a @ b, warmup=10, rep=100, return_mode="median") * 1e-3)
+def fp8_peak(name: str) -> float:
+    for key, peak in FP8_PEAK.items():  # "H100 PCIe" before "H100"
+        if key in name:
+            return peak
+    return 1979e12
 
 
-def sweep() -> list[dict]:
-    found = []
-    for name, (n, k, bn, groups) in LINEARS.items():
-        for m in SWEEP_BATCHES:
-            inp = make_inputs(m, n, k, bn, groups, seed=m)
-            best = None
-            for cfg in DECODE_SWEEP if m <= 64 else PREFILL_SWEEP:
-                if m <= 64:  # one M tile: the weight is streamed once
-                    cfg = dataclasses.replace(cfg, block_m=max(16, triton.next_power_of_2(m)))
-                if check(inp, cfg) > 2**-10:
-                    print(f"  {name} M={m} {cfg}: over tolerance", flush=True)
-                    continue
-                us = timed(inp, cfg, rep=50)
-                if best is None or us < best[0]:
-                    best = (us, cfg)
-            default_us = timed(inp, None, rep=50)
-            found.append(dict(linear=name, m=m, best_us=round(best[0], 2), best=best[1].__dict__,
-                              default_us=round(default_us, 2)))
-            print(f"  {name:>20} M={m:<5} default {default_us:8.2f} us, best {best[0]:8.2f} us {best[1]}", flush=True)
-            del inp
-    return found
+def floor_bytes(case: Case, m: int) -> int:
+    n, k = case.w.shape
+    return case.w.numel() + case.ws.numel() + m * case.groups * k * 4 + m * n * 4
+
+
+def weight_copies(case: Case, l2_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    c = max(2, -(-3 * l2_bytes // case.w.numel()))
+    return [(case.w, case.ws)] + [(case.w.clone(), case.ws.clone()) for _ in range(c - 1)]
+
+
+def tune(case: Case, copies, dev_name: str) -> list[str]:
+    """Table entries for one weight shape (the reduction and tiles that were fastest here), as source lines."""
+    n, k = case.w.shape
+    dev = case.x.device
+    cnt = split_counters(triton.cdiv(n, 16), dev)
+    best_red, best_total = None, float("inf")
+    for mma in ("fp8", "bf16"):
+        for split in TUNE_SPLITS:
+            if k // split < 128:
+                continue
+            total = 0.0
+            for m in BATCHES:
+                tile = tuning.tile_for(m, n, k, dev)
+                cfg = Fp8GemmConfig(tile.block_m, tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages,
+                                    mma=mma)
+                total += graph_us(lambda x, w, ws: fp8_gemm_fused(x, w, ws, config=cfg, counters=cnt),
+                                  case.x[:m], copies)
+            if total < best_total:
+                best_red, best_total = tuning.Fp8Reduction(split_k=split, mma=mma), total
+    lines = [f"    ({dev_name!r}, {n}, {k}): Fp8Reduction(split_k={best_red.split_k}, mma={best_red.mma!r}),"
+             f"  # {best_total:.1f} us summed over M = 1, 8, 64"]
+    for bucket, grid in TUNE_TILES.items():
+        m = 8 if bucket == 16 else 64
+        timed = []
+        for bm, bn, bk, warps, stages in grid:
+            cfg = Fp8GemmConfig(bm, bn, bk, best_red.split_k, warps, stages, mma=best_red.mma)
+            timed.append((graph_us(lambda x, w, ws: fp8_gemm_fused(x, w, ws, config=cfg, counters=cnt),
+                                   case.x[:m], copies), (bm, bn, bk, warps, stages)))
+        us, (bm, bn, bk, warps, stages) = min(timed)
+        lines.append(f"    ({dev_name!r}, {n}, {k}, {bucket}): Fp8Tile({bm}, {bn}, {bk}, {warps}, {stages}),"
+                     f"  # {us:.1f} us at M={m}")
+    return lines
+
+
+def float_linear_rows(shape: tuple[int, int], dev: str, rate: float, l2: int, bad: list[str]) -> list[dict]:
+    """The mHC mixes through ``invariant_linear`` (fp32 x, fp32 w) at M = 1, 8, 64: checked against float64
+    (``MHC_TOL``) and for batch invariance (appends failures to ``bad``), timed like the FP8 rows."""
+    n, k = shape
+    g = torch.Generator(device=dev).manual_seed(7)
+    w = torch.randn(n, k, generator=g, device=dev) * 0.05
+    x = torch.randn(64, k, generator=g, device=dev)
+    full = invariant_linear(x, w, impl="triton")
+    ref = (x.double() @ w.double().T)
+    bound = x.double().abs() @ w.double().abs().T
+    worst = float(((full.double() - ref).abs() / bound).max())
+    if not worst <= MHC_TOL:
+        bad.append(f"mhc mixes: {worst:.2e} of sum |x*w| > {MHC_TOL:.1e}")
+    # the interpreter's fp32 dot (numpy) sums in an order that follows the tile shape: invariance is a GPU check
+    for m in (1, 8) if x.is_cuda else ():
+        if not torch.equal(invariant_linear(x[:m], w, impl="triton"), full[:m]):
+            bad.append(f"mhc mixes: rows of an M={m} call differ from the same rows at M=64")
+    copies = [(w, None)] + [(w.clone(), None) for _ in range(max(1, 3 * l2 // w.nbytes))]
+    out = []
+    for m in BATCHES:
+        floor_us = (w.nbytes + m * k * 4 + m * n * 4) / rate * 1e6
+        us = graph_us(lambda xx, ww, _: invariant_linear(xx, ww, impl="triton"), x[:m], copies)
+        out.append(dict(linear="mhc_mixes_fp32", n=n, k=k, m=m, floor_us=round(floor_us, 2), us=round(us, 2),
+                        ratio=round(us / floor_us, 2), err=float(f"{worst:.2e}")))
+        print(f"  mhc mixes N={n} K={k} M={m:<3} floor {floor_us:7.2f} us  invariant_linear {us:.1f} "
+              f"({us / floor_us:.2f}x)  err {worst:.1e}", flush=True)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time a grid of launch shapes per linear and M")
+    ap.add_argument("--json", default=None, help="write the rows, device and command here")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
+    ap.add_argument("--tune", action="store_true", help="also print tuning.py entries for this device")
+    ap.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     args = ap.parse_args()
-    dev = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
-    rate, flops = copy_rate(), gemm_rate()
-    print(f"{dev}; D2D copy {rate / 1e12:.2f} TB/s (read + write); bf16 GEMM {flops / 1e12:.0f} TFLOP/s", flush=True)
-    swept = sweep() if args.sweep else []
-    rows, bad = [], 0
-    for name, (n, k, bn, groups) in LINEARS.items():
+    dev = "cpu" if args.smoke else "cuda"
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if dev == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        dev_name, l2 = props.name, getattr(props, "L2_cache_size", 50 << 20)
+    else:
+        dev_name, l2 = "cpu (TRITON_INTERPRET=1: times are the interpreter's, not a measurement)", 1 << 20
+    rate, peak = copy_rate(dev), fp8_peak(dev_name)
+    print(f"{dev_name}, torch {torch.__version__}, triton {triton.__version__}; copy {rate / 1e12:.3f} TB/s "
+          f"(read + write); fp8 dense peak {peak / 1e12:.0f} TFLOP/s (spec)", flush=True)
+    bad, rows, tuned = [], [], []
+    for name, (n, k, groups) in shapes.items():
+        case = make_case(name, n, k, groups, 80, dev)
+        found = check(case)
+        bad += found
+        for line in found:
+            print("  CHECK FAILED:", line, flush=True)
+        copies = weight_copies(case, l2)
         for m in BATCHES:
-            inp = make_inputs(m, n, k, bn, groups, seed=m)
-            err = check(inp, None)
-            bad += err > 2**-10
-            us = timed(inp, None)
-            floor_us = floor_bytes(m, inp) / rate * 1e6
-            tflops = 2 * m * n * k / (us * 1e-6) / 1e12
-            cfg = default_config(m, n, k, inp["a"].device)
-            rows.append(dict(linear=name, m=m, n=n, k=k, us=round(us, 2), floor_us=round(floor_us, 2),
-                             GBps=round(floor_bytes(m, inp) / us / 1e3, 1), of_copy=round(floor_us / us, 3),
-                             TFLOPs=round(tflops, 1), bf16_us=round(bf16_us(m, n, groups * k, groups), 2),
-                             act_quant_us=round(act_quant_us(m, groups * k), 2) if groups == 1 else None,
-                             err=float(f"{err:.2e}"), split_k=cfg.split_k))
-            del inp
-    print(f"\n{'linear':>20} {'M':>5} {'us':>8} {'floor':>7} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8} {'bf16_us':>8} "
-          f"{'aq_us':>6} {'err':>8}")
-    for r in rows:
-        aq = f"{r['act_quant_us']:6.1f}" if r["act_quant_us"] is not None else "     -"
-        print(f"{r['linear']:>20} {r['m']:>5} {r['us']:8.2f} {r['floor_us']:7.2f} {r['GBps']:7.0f} "
-              f"{100 * r['of_copy']:5.0f}% {r['TFLOPs']:8.1f} {r['bf16_us']:8.2f} {aq} {r['err']:8.1e}")
+            fl_bytes, flops = floor_bytes(case, m), 2 * m * n * groups * k
+            floor_us = max(fl_bytes / rate, flops / peak) * 1e6
+            row = dict(linear=name, n=n, k=k * groups, groups=groups, m=m, floor_us=round(floor_us, 2),
+                       floor_bytes=fl_bytes, split_k=default_config(m, n, k, case.x.device).split_k, us={}, ratio={})
+            for vname, (fn, _) in variants(case, m).items():
+                us = graph_us(fn, case.x[:m], copies)
+                row["us"][vname], row["ratio"][vname] = round(us, 2), round(us / floor_us, 2)
+            rows.append(row)
+            print(f"{name:>11} M={m:<3} floor {floor_us:7.2f} us  " + "  ".join(
+                f"{v} {row['us'][v]:.1f} ({row['ratio'][v]:.2f}x)" for v in row["us"]), flush=True)
+        if args.tune and groups == 1 and dev == "cuda":
+            tuned += tune(case, copies, dev_name)
+        del case, copies
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    mhc_rows = float_linear_rows(SMOKE_MHC if args.smoke else MHC, dev, rate, l2, bad)
+    print("\nsum over the quantised shapes (us):")
+    for m in BATCHES:
+        sums: dict[str, float] = {}
+        for r in rows:
+            if r["m"] == m and r["groups"] == 1:
+                for v, us in r["us"].items():
+                    sums[v] = sums.get(v, 0.0) + us
+        print(f"  M={m:<3} " + "  ".join(f"{v} {us:.1f}" for v, us in sums.items()))
+    if tuned:
+        print("\ntuning.py entries for this device (TUNED_REDUCTIONS lines, then TUNED_TILES lines):")
+        print("\n".join(tuned))
     if args.json:
         with open(args.json, "w") as f:
-            cmd = f"python3 -P benchmarks/fp8_gemm_bench.py{' --sweep' if args.sweep else ''} --json docs/perf/fp8_gemm.json"
-            json.dump(dict(device=dev, command=cmd, copy_TBps=round(rate / 1e12, 3), bf16_gemm_TFLOPs=round(flops / 1e12),
-                           meaning=" ".join(__doc__.split("\n\n")[1:3]), rows=rows, sweep=swept), f, indent=1)
-    print(f"\n{bad} check(s) over tolerance (2^-10 of sum |a*w|)")
+            json.dump(dict(device=dev_name, torch=torch.__version__, triton=triton.__version__,
+                           command="python3 -P " + " ".join(sys.argv), copy_TBps=round(rate / 1e12, 3),
+                           fp8_peak_TFLOPs=round(peak / 1e12), meaning=" ".join(__doc__.split("\n\n")[1:5]),
+                           rows=rows, mhc_rows=mhc_rows, tuned=tuned, failed_checks=bad), f, indent=1)
+    print(f"\n{len(bad)} check(s) failed" + "".join(f"\n  {b}" for b in bad))
     return 1 if bad else 0
 
 

@@ -3,4 +3,4 @@ talks to (``client``), the factory that builds either from settings, and the sub
 """
 
 # The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
-__all__ = ["async_engine", "client", "config", "engine", "engine_stats", "factory", "generate"]
+__all__ = ["client", "config", "engine", "engine_stats", "factory", "generate", "warmup"]

@@ -1,4 +1,5 @@
-"""The engine as the server sees it: ``EngineClient``, an async protocol (``AsyncEngine`` implements it).
+"""The engine as the server sees it: ``EngineClient``, an async protocol (``EngineCoreClient`` in
+engine/parallel/executor.py implements it: the engine core in its own process).
 
 The server never touches scheduler or model objects: it submits token ids with ``SamplingParams``,
 iterates ``RequestOutput`` deltas, aborts, and reads stats. A test double may implement this protocol

@@ -30,12 +30,15 @@ class EngineConfig:
     # head's estimate that all drafts up to it are accepted stays >= speculative_min_confidence
     speculative_tokens: int = 0
     speculative_min_confidence: float = 0.1
+    # the goodput controller (spec/controller.py) picks each step's draft length in 0 .. speculative_tokens from
+    # measured step times and acceptance; False verifies up to speculative_tokens drafts in every step
+    speculative_adaptive: bool = True
     # replay the decoder part of plain decode steps from CUDA graphs (batched forward on CUDA only); False is
     # vLLM's --enforce-eager
     cuda_graphs: bool = True
     # decode batch sizes captured as graphs (and warmed up); () = runner/decode_graphs.CAPTURE_SIZES
     cuda_graph_sizes: tuple[int, ...] = ()
-    # build_async_engine runs Engine.warm_up() before serving: kernels compiled, graphs captured
+    # the engine core runs warm_up() before it reports ready: kernels compiled, graphs captured
     warmup: bool = False
 
     def __post_init__(self) -> None:

@@ -1,20 +1,24 @@
 """The synchronous engine: ``add_request`` / ``abort`` / ``step()``.
 
-    step():  SchedulerOutput = scheduler.schedule()        what runs: chunks, replays, decodes
+    step():  k = spec_control.begin_step(n)                 speculative only: this step's draft length (0: none)
+             drafter.propose_for(running, k)                speculative, k > 0: DSpark drafts for this step
+             SchedulerOutput = scheduler.schedule()        what runs: chunks, replays, decodes (drafts <= k)
              ModelRunnerOutput = runner.execute(...)        the forward; logits per decoder row
              requests = postprocessor.process(...)          blocks, snapshots, forks, sampling
-             drafter.after_step(...)                        speculative only: DSpark drafts for the next step
+             drafter.after_step(...)                        speculative only: the drafter's rings written
+             spec_control.end_step(...)                     speculative only: the step's seconds, acceptance
              -> one RequestOutput per request touched (+ the aborted ones)
 
-Single-threaded and unit-testable: ``AsyncEngine`` runs ``step()`` on its own thread, and sleeps while
-``stalled`` (nothing ran and nothing runs: only a finished tier lookup, ``set_wake``'s callback, or a new
-request or abort can change anything). Text never reaches here; requests are token ids with ``SamplingParams``.
+Single-threaded and unit-testable: the engine-core process (engine/parallel/rank_worker.py) runs ``step()``
+as its driver releases steps, and waits while ``stalled`` (nothing ran and nothing runs: only a finished tier
+lookup, ``set_wake``'s callback, or a new request or abort can change anything). Text never reaches here; requests are token ids with ``SamplingParams``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,7 +26,6 @@ import torch
 from flashtier.engine.client import QueueFullError
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.runner.decode_graphs import DecodeGraphs
-from flashtier.engine.runner.decode_step import is_plain_decode
 from flashtier.engine.engine_stats import spec_fields, tier_stats
 from flashtier.engine.kv.manager import KVManager, SequenceSpec
 from flashtier.engine.model.transformer import Transformer
@@ -30,11 +33,13 @@ from flashtier.engine.core.output_builder import build_output
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
 from flashtier.engine.postprocess import Postprocessor
 from flashtier.engine.core.request import Request
+from flashtier.engine.core.request_state import RequestStatus
 from flashtier.engine.runner.paged_runner import PagedRunner
 from flashtier.engine.runner.runner import ModelRunner
 from flashtier.engine.sample.sampler import Sampler
 from flashtier.engine.sample.params import SamplingParams
 from flashtier.engine.scheduler import Scheduler
+from flashtier.engine.spec.controller import SpecController
 from flashtier.engine.spec.drafter import Drafter
 from flashtier.engine.spec.schedule import SpecPolicy
 from flashtier.engine.spec.state import check_spec_integrity
@@ -67,8 +72,11 @@ class Engine:
         config: EngineConfig | None = None,
         kv_config: KVStoreConfig | None = None,
         tiers: TierManager | None = None,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
     ):
-        """``tiers``: SSD write-through, snapshots and resume lookups; None keeps everything in the pool."""
+        """``tiers``: SSD write-through, snapshots and resume lookups; None keeps everything in the pool.
+        ``clock``: the speculative goodput controller's clock (seconds; tests pass a fake one)."""
         self.model = model
         self.tiers = tiers
         self.config = config or EngineConfig()
@@ -99,15 +107,23 @@ class Engine:
                              f"{cfg.dspark_block_size}, got {depth}")
         self.drafter = Drafter(model, depth) if depth else None
         self.spec_stats = SpecStats(depth) if depth else None
+        # owns each step's draft length (0 = plain decoding) from measured goodput (spec/controller.py)
+        self.spec_control = SpecController(depth, self.spec_stats, adaptive=self.config.speculative_adaptive,
+                                           clock=clock) if depth else None
         self.scheduler = Scheduler(
             self.kvm, max_num_seqs=self.config.max_num_seqs, token_budget=self.config.max_num_batched_tokens,
             tiers=TierClient(tiers, self.kvm, allow_replay=allow_replay) if tiers is not None else None,
             allow_replay=allow_replay,
             speculative=SpecPolicy(depth, self.config.speculative_min_confidence, self.max_model_len,
                                    cfg.sliding_window) if depth else None,
+            spec_control=self.spec_control,
         )
+        # a speculative engine's plain decode steps (the controller's draft length 0) can replay graphs too; a
+        # fixed draft length never runs one
+        graphs = (self.config.cuda_graphs and dev.type == "cuda" and (not depth or self.config.speculative_adaptive)
+                  and DecodeGraphs.supported(model))
         self.runner = ModelRunner(model, PagedRunner(
-            model, self.kvm, graphs=self.config.cuda_graphs and dev.type == "cuda" and not depth and DecodeGraphs.supported(model),
+            model, self.kvm, graphs=graphs,
             max_graph_rows=self.config.max_num_seqs, graph_sizes=self.config.cuda_graph_sizes) if batched else None,
                                   taps=cfg.dspark_target_layer_ids if depth else ())
         self.postprocessor = Postprocessor(
@@ -120,7 +136,6 @@ class Engine:
         # the last step scheduled nothing, preempted nothing and no request is running: until a tier
         # lookup finishes or a request is added or aborted, another step would do nothing either
         self.stalled = False
-        self._handoff: Callable[[bool], None] | None = None
 
     @property
     def pool(self) -> BlockPool:
@@ -187,28 +202,23 @@ class Engine:
         Mutates the scheduler's hook."""
         self.scheduler.on_lookup_done = wake
 
-    def set_handoff_hook(self, hook: Callable[[bool], None] | None) -> None:
-        """``hook(queued)`` is called once inside every ``step()``, on the stepping thread, where a driver may hand
-        the previous step's outputs on (AsyncEngine: output_handoff.py): in a plain decode step once its forward
-        is queued, before postprocessing waits for the device (``queued=True``); in any other step before its
-        forward (``queued=False``: prefill and replay forwards run eagerly, long host work nothing should wait
-        through). It must be quick and must not raise (the step would stop half done). Mutates only the hook."""
-        self._handoff = hook
-
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, postprocess. Returns the outputs of every request touched."""
+        control = self.spec_control
+        if control is not None:
+            k = control.begin_step(sum(len(r.live_seqs) for r in self.scheduler.running
+                                       if r.status is RequestStatus.DECODE))
+            if k > 0:
+                self.drafter.propose_for(self.scheduler.running, k)
         sched = self.scheduler.schedule()
         self.stalled = sched.empty and not sched.preempted and not self.scheduler.running
-        plain = self._handoff is not None and is_plain_decode(sched)
-        if self._handoff is not None and not plain:
-            self._handoff(False)
         result = self.runner.execute(sched)
-        if plain:
-            self._handoff(True)
         touched = self.postprocessor.process(sched, result)
         if self.drafter is not None:
             self.drafter.after_step(sched, result)
+        if control is not None:
+            control.end_step(sched)
         outputs = [build_output(r) for r in touched + self._aborted]
         self._aborted.clear()
         return outputs
@@ -228,7 +238,7 @@ class Engine:
             generation_tokens=self.postprocessor.generation_tokens,
             global_kv_bytes_per_token=self.layout.bytes_per_token(),
             tiers=tier_stats(self.tiers),
-            **spec_fields(self.spec_stats),
+            **spec_fields(self.spec_stats, self.spec_control),
         )
 
     def close(self) -> None:

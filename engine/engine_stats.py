@@ -1,5 +1,6 @@
 """The tier counters and gauges as one flat mapping for ``EngineStats.tiers`` (the server's /metrics), and
-the speculative-decoding fields of ``EngineStats`` (``spec_fields``, from engine/spec/stats.py).
+the speculative-decoding fields of ``EngineStats`` (``spec_fields``, from engine/spec/stats.py and the goodput
+controller, engine/spec/controller.py).
 
 A key is a metric name without the ``flashtier_`` prefix; a labelled sample is spelled
 ``name{label=value}`` (``tier_key``, parsed back by ``split_tier_key``), and server/serving/metrics.py exports
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import re
 
+from flashtier.engine.spec.controller import SpecController
 from flashtier.engine.spec.stats import SpecStats
 from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.ssd.health import WRITE_CAUSES
@@ -90,9 +92,16 @@ def tier_stats(tiers: TierManager | None) -> dict[str, float]:
     return out
 
 
-def spec_fields(stats: SpecStats | None) -> dict[str, object]:
+def spec_fields(stats: SpecStats | None, control: SpecController | None = None) -> dict[str, object]:
     """The speculative-decoding fields of ``EngineStats`` (none when speculation is off)."""
     if stats is None:
         return {}
-    return {"spec_drafts": stats.drafts, "spec_draft_tokens": stats.draft_tokens,
-            "spec_accepted_tokens": stats.accepted_tokens, "spec_acceptance_lengths": tuple(stats.acceptance)}
+    out: dict[str, object] = {
+        "spec_drafts": stats.drafts, "spec_draft_tokens": stats.draft_tokens,
+        "spec_accepted_tokens": stats.accepted_tokens, "spec_acceptance_lengths": tuple(stats.acceptance),
+        "spec_accepted_by_position": tuple(stats.accepted_by_position),
+    }  # fmt: skip
+    if control is not None:
+        out["spec_draft_length"] = control.draft_length
+        out["spec_steps_by_draft_length"] = tuple(control.steps_by_length)
+    return out

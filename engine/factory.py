@@ -1,15 +1,12 @@
-"""Build an ``Engine`` / ``AsyncEngine`` from the package configs (which server/config/settings.py builds)."""
+"""Build an ``Engine`` from the package configs (which server/config/settings.py builds); the engine-core
+process (engine/parallel/rank_worker.py) and the offline ``LLM`` call it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
-from flashtier.engine.warmup import warm_up
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import load_model_in_formats, place_in_formats_
 from flashtier.engine.model.engram import Engram
@@ -71,21 +68,3 @@ def build_engine(
         model.set_token_map(token_map.to(model.device))
     kv_config = kv_config or KVStoreConfig()
     return Engine(model, config, kv_config, TierManager(kv_config) if tiers else None)
-
-
-def build_async_engine(
-    config: EngineConfig,
-    kv_config: KVStoreConfig | None = None,
-    token_map: torch.Tensor | None = None,
-    *,
-    tiers: bool = False,
-    phase: Callable[[str], None] | None = None,
-) -> AsyncEngine:
-    """A started ``AsyncEngine`` (implements ``EngineClient``). With ``config.warmup`` the engine runs its
-    warm-up first (engine/warmup.py), reported as the phase ``"warming up"`` through ``phase``."""
-    engine = build_engine(config, kv_config, token_map, tiers=tiers)
-    if config.warmup:
-        if phase is not None:
-            phase("warming up")
-        warm_up(engine)
-    return AsyncEngine(engine).start()

@@ -7,8 +7,10 @@ Budget: every encoder token and every replay token counts; decode sequences come
 latency-bound), then running prefills and replays, then admissions from the queue (preempted
 requests first: they sit at its front). A decode that cannot get a block preempts the newest running
 request (swap to the host, ``preemption.py``); with no victim left it preempts itself. With speculative
-decoding a decoding sequence feeds a VERIFY chunk (``SpecPolicy.feed``: known tokens + drafts); short of
-blocks it verifies no draft before it preempts anyone.
+decoding a decoding sequence feeds a VERIFY chunk (``SpecPolicy.feed``: known tokens + drafts, at most the
+goodput controller's draft length); short of blocks it verifies no draft before it preempts anyone. At draft
+length 0 a sequence with a single known token feeds a plain DECODE work instead (the step can then replay a
+CUDA graph).
 
 A prefix hit admits a request with encoder bounded replay (plan (c) of the oracle)::
 
@@ -41,6 +43,7 @@ from flashtier.engine.core.request import FinishReason, Request, Sequence
 from flashtier.engine.core.request_state import RUNNING, RequestStatus, transition
 from flashtier.engine.tiers.resume import ResumeKind, install_resume, plan_resume
 from flashtier.engine.core.scheduler_output import DecoderKind, DecoderWork, EncoderWork, SchedulerOutput
+from flashtier.engine.spec.controller import SpecController
 from flashtier.engine.spec.schedule import SpecPolicy
 from flashtier.engine.tiers.client import TierClient
 from flashtier.kvstore.block_hash import fork_chain, hash_blocks
@@ -60,12 +63,15 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kvm: KVManager, *, max_num_seqs: int, token_budget: int, tiers: TierClient | None = None,
-                 allow_replay: bool = True, speculative: SpecPolicy | None = None):
+                 allow_replay: bool = True, speculative: SpecPolicy | None = None,
+                 spec_control: SpecController | None = None):
         """``allow_replay`` False (resume policy exact-or-cold): a cached prefix without an exact
         snapshot is recomputed rather than resumed by an approximate bounded replay. ``speculative``:
-        decoding sequences with drafter state verify their drafts (VERIFY work)."""
+        decoding sequences with drafter state verify their drafts (VERIFY work), at most
+        ``spec_control.draft_length`` of them (read only; None: the policy's depth)."""
         self.kvm = kvm
         self.speculative = speculative
+        self.spec_control = spec_control
         self.tiers = tiers
         self.allow_replay = allow_replay
         self.window = kvm.spec.window
@@ -298,9 +304,10 @@ class Scheduler:
         return out
 
     def _schedule_decode(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        cap = self.spec_control.draft_length if self.spec_control is not None else None
         for seq in req.live_seqs:
             feed, n_drafts = ([seq.output[-1]], 0) if self.speculative is None else self.speculative.feed(
-                req, seq, budget)
+                req, seq, budget, cap)
             if budget < len(feed):
                 break
             while not self.kvm.ensure_blocks(seq.kv, len(seq.kv.tokens) + len(feed)):
@@ -312,7 +319,7 @@ class Scheduler:
                     return budget + self._preempt(req, out)
                 budget += self._preempt(victim, out)
             out.encoder.append(EncoderWork(req, seq, feed))
-            if seq.spec is None:
+            if seq.spec is None or (cap == 0 and len(feed) == 1):  # draft length 0, one token to feed: plain
                 out.decoder.append(DecoderWork(req, seq, DecoderKind.DECODE))
             else:
                 out.decoder.append(DecoderWork(req, seq, DecoderKind.VERIFY, tuple(feed[len(feed) - n_drafts :]),

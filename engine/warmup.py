@@ -17,7 +17,7 @@ the HBM prefix cache as free, evictable blocks under a namespace no client can r
 which a request's ``cache_salt`` cannot). Block-table widths beyond the smallest bucket (contexts over 16
 blocks) still capture on first use.
 
-Engine thread only (before ``AsyncEngine.start``). Failure: an exception from a step propagates (a warm-up that
+The engine core's thread only, before it reports ready (engine/parallel/rank_worker.py). Failure: an exception from a step propagates (a warm-up that
 fails would fail the first request the same way); the tiers are reattached first.
 """
 

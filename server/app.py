@@ -11,11 +11,16 @@ Large bodies are checked for UTF-8 on the frontend pool, parsed and validated th
 and once such a request is answered the pool hands the freed heap back to the system (frontend_pool.py).
 
 The lifespan starts building the engine client with the factory (a plain or async callable taking the
-settings; the CLI passes one that builds the ``AsyncEngine``, tests a test double) and yields at once: the
+settings; the CLI passes one that starts the engine core, tests a test double) and yields at once: the
 port opens while the model loads, /metrics is served throughout and /health answers 503 naming the phase
-(loading, warming up) until the engine is ready. At shutdown it calls ``engine_client.shutdown(drain_timeout)``. uvicorn's graceful shutdown runs first: on SIGTERM
-it stops accepting connections and waits (up to the same timeout) for in-flight responses, which
-the engine keeps serving, before the lifespan stops the engine.
+(loading, warming up) until the engine is ready. A factory that raises is one ERROR line, ``the engine could
+not be started: <cause>`` (the traceback at DEBUG), and ``on_fatal`` (the CLI exits with status 2).
+
+Shutdown (serving/drain.py): SIGTERM or SIGINT starts ``ServerState.drain`` at once (the CLI's
+``DrainingServer``): new generation requests get 503 ``shutting_down``, in-flight ones run until they finish
+or --drain-timeout passes, and then end in their API's shape (a JSON 503, a stream's error event). uvicorn
+meanwhile stops listening and waits for the connections; then the lifespan stops the engine
+(``engine_client.shutdown(0)`` after a drain: nothing is left to wait for).
 
 The served OpenAPI document (/openapi.json) lists the error responses each route really returns
 (400 rather than FastAPI's 422) in OpenAI's error shape.
@@ -251,7 +256,8 @@ async def _build(factory: EngineClientFactory, settings: ServerSettings,
         try:
             result = factory(settings, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the loop
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
+            # bound now: Python unbinds `exc` when this block ends, which may be before the loop runs the callback
+            loop.call_soon_threadsafe(lambda failure=exc: done.done() or done.set_exception(failure))
         else:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 
@@ -296,8 +302,10 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
         try:
             engine = await _build(engine_client_factory, settings, set_phase)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the server, with its cause in the log
-            logger.exception("the engine could not be started")
-            state.phase = f"failed ({type(exc).__name__}: {exc})"
+            cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            logger.error("the engine could not be started: %s", cause)  # one line; the traceback is for DEBUG
+            logger.debug("the engine's start-up failure", exc_info=True)
+            state.phase = f"failed ({cause})"
             if on_fatal is not None:
                 on_fatal()
             return
@@ -319,13 +327,17 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
             yield
         finally:
             state.phase = "stopping"
+            state.drain.close()
             if not starting.done():  # stopped while loading: the loader thread is a daemon, left behind
                 starting.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await starting
             if state.engine is not None:
-                logger.info("stopping the engine (drain timeout %.1f s)", settings.drain_timeout_s)
-                await state.engine.shutdown(settings.drain_timeout_s)
+                # after a drain every request has ended (finished, or answered 503 at its timeout): nothing to
+                # wait for; stopped without one (a test's uvicorn, an embedding app), the engine drains itself
+                timeout = 0.0 if state.drain.draining else settings.drain_timeout_s
+                logger.info("stopping the engine (timeout %.1f s)", timeout)
+                await state.engine.shutdown(timeout)
             await responses.close()
             state.cpu_pool.shutdown()
 

@@ -1,4 +1,6 @@
-"""The ``flashtier`` command: ``inspect``, ``generate``, ``serve`` and ``kv`` (the SSD tier's tools, kv_admin/command.py).
+"""The ``flashtier`` command: ``inspect``, ``plan``, ``generate``, ``serve`` and ``kv`` (the SSD tier's tools,
+kv_admin/command.py). ``plan`` takes serve's command line and prints the memory plan (engine/plan) instead of
+serving; it exits 0 when the plan fits, 1 when it does not.
 
 A bad command line or setting ends the command with one line on stderr, ``flashtier: error: ...``
 (for a setting: ``--flag VALUE: what is wrong; how to fix``), and exit status 2, never a traceback.
@@ -6,6 +8,8 @@ A bad command line or setting ends the command with one line on stderr, ``flasht
 directory, the model config, Redis) before it loads the model, then holds KV_DIR/SERVER.LOCK for its
 lifetime (kv_dir_lock.py: a second server on the same directory stops with one line). Every log line,
 uvicorn's access and error logs included, has one format: ``LOG_FORMAT``, with a timestamp.
+An engine that cannot be built ends ``serve`` with one line, ``the engine could not be started: <cause>``, and
+exit status 2 as well. SIGTERM or SIGINT drains (--drain-timeout, serving/drain.py) and exits with status 0.
 ``flashtier --version`` and ``flashtier serve --version`` print the version.
 """
 
@@ -22,9 +26,9 @@ PROG = "flashtier"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _LOG_HANDLER = "flashtier"  # the name of the root handler configure_logging installs (once)
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
+from collections.abc import Callable
 
+if TYPE_CHECKING:
     import torch
 
     from flashtier.engine.client import EngineClient
@@ -54,6 +58,29 @@ def _inspect(args: argparse.Namespace) -> int:
     for key, value in kv.items():
         print(f"{key:<24} {value:>12,}")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """The memory plan of a serve command line: per GPU and per host, checked against --gpu-memory /
+    --host-memory when given, else against this machine's cards and available memory."""
+    from flashtier.engine.plan.report import plan_dict, plan_table
+    from flashtier.server.config.plan_check import evaluate, gpu_memory, host_available, plan_settings
+    from flashtier.server.config.settings import build_settings
+
+    settings = plan_settings(build_settings(args, os.environ), args.gpu_memory)
+    if args.gpu_memory is not None:
+        cards = (args.gpu_memory,) * settings.tensor_parallel_size
+        if not settings.engine_config().device.startswith("cuda"):
+            cards = ()
+    else:
+        cards = gpu_memory(settings)
+    host = args.host_memory if args.host_memory is not None else host_available()
+    plan, _, misfit = evaluate(settings, cards, host)
+    if args.json:
+        print(json.dumps(plan_dict(plan, misfit, host), indent=2))
+    else:
+        print(plan_table(plan, misfit, host))
+    return 0 if misfit is None else 1
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -121,24 +148,27 @@ def _serve(args: argparse.Namespace, engine_factory: EngineClientFactory | None 
         import uvicorn
 
         from flashtier.server.app import create_app
+        from flashtier.server.serving.drain import UVICORN_MARGIN_S, DrainingServer
 
         _serve_seed(settings)
         _keep_compiled_kernels(settings)
         failed = []
 
-        def stop_on_failure() -> None:  # the engine could not be built: the server stops, exit status 1
+        def stop_on_failure() -> None:  # the engine could not be built (app.py logged why): exit status 2
             failed.append(True)
             server.should_exit = True
 
         app = create_app(settings, engine_factory or _model_engine, on_fatal=stop_on_failure)
-        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                               log_level=settings.log_level, log_config=None,
-                                               timeout_graceful_shutdown=settings.drain_timeout_s))
+        # SIGTERM / SIGINT: the app drains (serving/drain.py) and ends what is left at --drain-timeout, in each
+        # API's shape; uvicorn waits a little longer, so its own cancellation is only the backstop. Exit 0.
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                log_config=None, timeout_graceful_shutdown=settings.drain_timeout_s + UVICORN_MARGIN_S)
+        server = DrainingServer(config, app.state.flashtier.drain, settings.drain_timeout_s)
         server.run()
     finally:
         if kv_lock is not None:
             kv_lock.release()
-    return 1 if failed else 0
+    return 2 if failed else 0
 
 
 def _keep_compiled_kernels(settings: ServerSettings) -> None:
@@ -148,13 +178,17 @@ def _keep_compiled_kernels(settings: ServerSettings) -> None:
 
 
 def _model_engine(s: ServerSettings, *, phase: Callable[[str], None] | None = None) -> EngineClient:
-    """The engine ``serve`` runs: the checkpoint in MODEL_DIR, else the demo checkpoint; warmed up before it
-    serves when the settings say so (``phase`` hears "warming up"). Runs on the app's loader thread."""
+    """The engine ``serve`` runs: the checkpoint in MODEL_DIR, else the demo checkpoint, in the engine-core
+    process(es) (engine/parallel/executor.py): one child process with one rank (the KV tiers beside it), one
+    per rank with --tensor-parallel-size N (SPMD, tiers off: their lookups complete on I/O threads at times the
+    ranks do not share). Warmed up before it serves when the settings say so (``phase`` hears "warming up").
+    Runs on the app's loader thread, blocking until the engine core is ready."""
     import dataclasses
+    import logging
 
-    from flashtier.engine.factory import build_async_engine
     from flashtier.engine.model.config import resolve
     from flashtier.engine.model.loader import demo_checkpoint
+    from flashtier.engine.parallel.executor import start_engine_core
     from flashtier.server.text.engram_map import model_token_map
     from flashtier.server.text.tokenizer import Tokenizer
 
@@ -169,22 +203,23 @@ def _model_engine(s: ServerSettings, *, phase: Callable[[str], None] | None = No
     cfg = resolve(config.model_dir, s.effective_preset)
     tok = Tokenizer(s.tokenizer) if s.tokenizer else Tokenizer.from_model_dir(s.model_dir)
     if s.tensor_parallel_size > 1:
-        return _parallel_engine(s, config, model_token_map(tok, cfg))
-    return build_async_engine(config, s.kvstore, model_token_map(tok, cfg), tiers=True, phase=phase)
+        logging.getLogger("flashtier.server.config.settings").warning(
+            "--tensor-parallel-size %d: the SSD tier and the snapshot pool are off (tiers are single-rank for "
+            "now); each rank keeps its HBM prefix cache", s.tensor_parallel_size)
+    return start_engine_core(s.parallel_config(), config, s.kvstore, model_token_map(tok, cfg), seed=s.seed,
+                             tiers=s.tensor_parallel_size == 1, log_level=s.log_level, log_format=LOG_FORMAT,
+                             pg_timeout_s=s.distributed_timeout_s, phase=phase,
+                             step_timeout_s=s.engine_step_timeout_s)
 
 
-def _parallel_engine(s: ServerSettings, config: EngineConfig, token_map: torch.Tensor) -> EngineClient:
-    """One rank process per --tensor-parallel-size, each running the whole engine on its shard (SPMD,
-    engine/parallel/executor.py). The KV tiers stay off: their lookups complete on I/O threads at times the
-    ranks do not share, which would schedule the ranks differently."""
-    import logging
+def _size_arg(parse: Callable[[str], int]) -> Callable[[str], int]:
+    def size(text: str) -> int:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-    from flashtier.engine.parallel.executor import start_parallel_engine
-
-    logging.getLogger("flashtier.server.config.settings").warning(
-        "--tensor-parallel-size %d: the SSD tier and the snapshot pool are off (tiers are single-process for "
-        "now); each rank keeps its HBM prefix cache", s.tensor_parallel_size)
-    return start_parallel_engine(s.parallel_config(), config, s.kvstore, token_map, seed=s.seed)
+    return size
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -210,6 +245,20 @@ def build_parser(engine_factory: EngineClientFactory | None = None) -> argparse.
     ins.add_argument("--json", action="store_true")
     ins.set_defaults(func=_inspect)
 
+    from flashtier.server.config.options import parse_size
+    from flashtier.server.config.settings import add_serve_arguments
+
+    pln = sub.add_parser("plan", help="the memory plan of a serve command line (per GPU, per host); exit 1 when "
+                         "it does not fit")
+    add_serve_arguments(pln)
+    pln.add_argument("--gpu-memory", type=_size_arg(parse_size), default=None, metavar="SIZE",
+                     help="plan for GPUs of this size (e.g. 80GiB, 141GB; implies --device cuda); default: this "
+                          "machine's cards")
+    pln.add_argument("--host-memory", type=_size_arg(parse_size), default=None, metavar="SIZE",
+                     help="plan for a host with this much memory available; default: this host's MemAvailable")
+    pln.add_argument("--json", action="store_true", help="every rank's rows as JSON")
+    pln.set_defaults(func=_plan)
+
     gen = sub.add_parser("generate", help="complete a prompt with the incremental path")
     gen.add_argument("model_dir", nargs="?", default=None)
     gen.add_argument("--preset", default=None, help="preset with seeded random weights when no MODEL_DIR")
@@ -219,8 +268,6 @@ def build_parser(engine_factory: EngineClientFactory | None = None) -> argparse.
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--weights-seed", type=int, default=0, help=argparse.SUPPRESS)
     gen.set_defaults(func=_generate)
-
-    from flashtier.server.config.settings import add_serve_arguments
 
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (no MODEL_DIR: the demo 'tiny' model)")
     srv.add_argument("--version", action="version", version=__version__)

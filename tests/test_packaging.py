@@ -86,6 +86,13 @@ def test_the_wheel_holds_every_subpackage(wheel):
     assert packages_in(wheel) == expected_packages() and len(expected_packages()) > 30
 
 
+def test_the_wheel_holds_the_data_files(wheel):
+    """Every non-Python file under the package folders that the code reads (the MoE launch table) ships."""
+    data = {p.relative_to(ROOT).as_posix() for folder in SOURCES[1:] for p in (ROOT / folder).rglob("*.json")}
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert data and {f"flashtier/{d}" for d in data} <= names
+
+
 def test_every_module_imports_from_the_wheel(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -98,3 +98,9 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_acceptance_lengths: tuple[int, ...] = ()
+    # per draft position j = 0 .. depth - 1: works that accepted draft j + 1 (drafts 1 .. j + 1 all accepted)
+    spec_accepted_by_position: tuple[int, ...] = ()
+    # the goodput controller (engine/spec/controller.py): the current draft length (0: plain decoding) and, per
+    # draft length k = 0 .. depth, the steps with decode work that ran it
+    spec_draft_length: int = 0
+    spec_steps_by_draft_length: tuple[int, ...] = ()

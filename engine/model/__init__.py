@@ -4,7 +4,7 @@ reference, incremental, batched and paged forwards.
 
 # The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
 __all__ = [
-    "attention", "batch_attention", "batch_forward", "compressor", "config", "dense_entries", "device_loader",
-    "dspark", "engram", "engram_offload", "incremental", "init", "layer_forward", "loader", "mhc", "moe",
-    "numerics", "paged_forward", "step_rows", "transformer",
+    "attention", "batch_attention", "batch_forward", "checkpoint", "compressor", "config", "dense_entries", "device_loader",
+    "dspark", "engram", "engram_host", "engram_offload", "incremental", "init", "layer_forward", "loader", "mhc", "moe",
+    "numerics", "paged_forward", "sharded_reader", "step_rows", "transformer",
 ]

@@ -239,6 +239,12 @@ class CheckpointReader:
         plans = self._validate(expected, strict, skip)
         return self._stream(plans, None, torch.device(device), progress)
 
+    def validate(self, expected: Mapping[str, Sequence[int]], *, strict: bool = True, skip: tuple[str, ...] = ()
+                 ) -> list[TensorPlan]:  # fmt: skip
+        """The plan of every expected tensor, checked as ``load`` checks them (same arguments), reading only
+        the headers: for a caller that reads the data itself (sharded_reader.py). Raises CheckpointError."""
+        return self._validate(expected, strict, skip)
+
     def _validate(self, expected: Mapping[str, Sequence[int]], strict: bool, skip: tuple[str, ...] = ()
                   ) -> list[TensorPlan]:  # fmt: skip
         problems, plans, consumed = [], [], set()

@@ -1,25 +1,28 @@
 """A model on the GPU with its weights as the checkpoint stores them: no float copy of what is quantised.
 
     load_model_in_formats(dir, "cuda")     checkpoint shards streamed to the device tensor by tensor
+    load_parts_(meta_model, dir, ...)     the same for a sharded model: only its slices' bytes are read
     place_in_formats_(model, "cuda")       a float model (random weights made on the device) converted
 
 FP8 linears become ``Fp8Linear`` (e4m3 codes + e8m0 32x32 scales), each MoE's routed experts (MXFP4) and shared
 expert (FP8) one ``ExpertWeights``; everything else (bf16 / fp32 tensors) is dequantised into the parameter's
 dtype. The Engram tables stay in host memory in their stored form (``host_engram``, default on for CUDA;
-engram_offload.py), else they are dequantised like the rest. Peak extra memory while loading: one MoE layer's
-stored expert bytes.
+engram_offload.py): a loaded table is a shared read-only mapping of its checkpoint bytes, one copy per host
+whatever the number of ranks (engram_table.py); otherwise they are dequantised like the rest. Tensors are
+read by byte range (sharded_reader.py). Peak extra memory while loading: one MoE layer's stored expert bytes.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from flashtier.engine.model.checkpoint_reader import CheckpointReader, StorageFormat, dequantize
+from flashtier.engine.model.checkpoint_reader import CheckpointError, CheckpointReader, StorageFormat
 from flashtier.engine.model.dspark import dspark_skip
 from flashtier.engine.model.engram import default_token_map
 from flashtier.engine.model.engram_offload import TABLE_SUFFIX, attach_host_tables_, tables_to_host_, wants_host_tables
@@ -30,6 +33,7 @@ from flashtier.engine.model.loader import meta_model
 from flashtier.engine.model.moe import MoE
 from flashtier.engine.model.moe_convert import convert_experts_
 from flashtier.engine.model.placement import quantize_linears_
+from flashtier.engine.model.sharded_reader import TensorSlice, locate, read_slices
 from flashtier.engine.model.transformer import Transformer, weight_formats
 from flashtier.kernels.quant.fp8_weight import as_e4m3fn, as_e8m0
 
@@ -42,6 +46,9 @@ def place_in_formats_(model: Transformer, device: torch.device | str, *, host_en
     the Engram tables into host memory (``host_engram``: None = on for CUDA), then the rest moved there.
     Returns ``model``."""
     convert_experts_(model, device)
+    for module in list(model.modules()):  # a sharded model's ExpertParallelMoE blocks convert their own experts
+        if callable(getattr(module, "convert_experts_", None)):  # (by name: engine/model may not import parallel)
+            module.convert_experts_(device)
     quantize_linears_(model, device)
     if wants_host_tables(host_engram, device):
         tables_to_host_(model, device)
@@ -60,54 +67,100 @@ def _experts(moe: MoE, parts: dict[tuple[str, int], tuple], device) -> ExpertWei
     return ExpertWeights.from_packed(routed["w1"], routed["w3"], routed["w2"], shared, device)
 
 
+def _table_layer(model: nn.Module, name: str) -> int:
+    return model.get_submodule(name.removesuffix(".embed.weight")).layer
+
+
+def _map_tables(model: Transformer, reader: CheckpointReader, names: list[str], register: bool
+                ) -> dict[int, HostTable]:  # fmt: skip
+    """The Engram tables ``names`` as shared read-only mappings of their checkpoint bytes (engram_table.py);
+    a table not stored as fp8 rows is read and kept as it is stored."""
+    tables = {}
+    for name in names:
+        plan = reader.plan(name)
+        if plan.fmt is StorageFormat.FP8_ROWS:
+            tables[_table_layer(model, name)] = HostTable.map_stored(
+                locate(reader, plan.data), locate(reader, plan.scale), plan.shape, register=register)
+        else:
+            part = next(read_slices(reader, {name: plan.shape}, [name], {}, strict=False, progress=False))
+            tables[_table_layer(model, name)] = HostTable.from_stored(part.data, None, pin=register)
+    return tables
+
+
+@torch.no_grad()
+def load_parts_(
+    model: Transformer, model_dir: str | Path, expected: Mapping[str, Sequence[int]],
+    slices: Mapping[str, TensorSlice], device: str | torch.device, *, formats: bool, host_engram: bool | None,
+    strict: bool, skip: tuple[str, ...] = (), progress: bool = True,
+) -> Transformer:
+    """Fill ``model`` (on the "meta" device; sharded or not) with its parameters' bytes of the checkpoint, read
+    by byte range: ``slices[name]`` for a parameter holding part of a tensor, the whole tensor otherwise.
+
+    ``expected``: logical name -> shape of the WHOLE model (validated against the headers first, see
+    ``sharded_reader.read_slices``). With ``formats`` the weights take their stored formats on ``device``:
+    FP8 linears outside the MoE become ``Fp8Linear`` from the stored codes, an unsharded ``MoE``'s experts one
+    ``ExpertWeights`` from the stored MXFP4 / FP8 bytes; every other parameter (sharded experts included: their
+    modules compute on float weights) is dequantised into the parameter's dtype. The Engram tables, with
+    ``host_engram`` (None = on for CUDA), are mapped from the files instead of read (``_map_tables``).
+    Mutates and returns ``model`` (eval mode). Raises CheckpointError (a ValueError) before reading anything
+    when the checkpoint does not match ``expected``, and ValueError when a tensor is left unset.
+    """
+    device, reader = torch.device(device), CheckpointReader(model_dir)
+    wformats = weight_formats(model)
+    params = dict(model.named_parameters())
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+    pending: dict[str, dict[tuple[str, int], tuple]] = defaultdict(dict)
+    host = wants_host_tables(host_engram, device)
+    tables = [n for n in params if n.endswith(TABLE_SUFFIX)] if host else []
+    wanted = [n for n in params if n not in tables]
+    for part in read_slices(reader, expected, wanted, slices, strict=strict, skip=skip, progress=progress):
+        name, want = part.name, tuple(params[part.name].shape)
+        hit = _EXPERT.match(name)
+        if formats and hit and hit["moe"] in moes:  # an unsharded MoE: its experts packed as stored
+            data, scale = (t.to(device) for t in part.stored())
+            parts = pending[hit["moe"]]
+            parts[(hit["w"], int(hit["e"]) if hit["e"] is not None else -1)] = (data, scale)
+            moe = moes[hit["moe"]]
+            if len(parts) == 3 * moe.gate.weight.shape[0] + 3:
+                moe.experts, moe.shared_experts = _experts(moe, parts, device), None
+                del pending[hit["moe"]]
+            continue
+        if formats and not hit and part.plan.fmt is StorageFormat.FP8 and wformats[name] == "fp8":
+            data, scale = part.stored()
+            if tuple(data.shape) != want:
+                raise CheckpointError(f"{name}: read {list(data.shape)}, the model holds {list(want)}")
+            owner, _, attr = name.removesuffix(".weight").rpartition(".")
+            setattr(model.get_submodule(owner), attr, Fp8Linear(
+                as_e4m3fn(data.to(device)), as_e8m0(scale.to(device)), compute_dtype=params[name].dtype))
+            continue
+        # float32 first, then the parameter's dtype: what load_model does (exact for every stored format)
+        value = part.values(torch.float32).to(params[name].dtype)
+        if tuple(value.shape) != want:
+            raise CheckpointError(f"{name}: read {list(value.shape)}, the model holds {list(want)}")
+        _set_param(model, name, value.to(device))
+    if tables:
+        attach_host_tables_(model, _map_tables(model, reader, tables, register=device.type == "cuda"), device,
+                            params[tables[0]].dtype)
+    model.token_map = default_token_map(model.cfg).to(device)
+    left = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
+    if left or pending:
+        raise ValueError(f"{reader.directory}: the checkpoint left {len(left)} tensors unset (e.g. {left[:3]}) and "
+                         f"{len(pending)} MoE layers incomplete")
+    return model.eval()
+
+
 @torch.no_grad()
 def load_model_in_formats(
     model_dir: str | Path, device: str | torch.device, *, dtype: torch.dtype = torch.bfloat16,
     with_dspark: bool = False, progress: bool = True, host_engram: bool | None = None,
 ) -> Transformer:
-    """Stream ``model_dir`` (official layout) onto ``device`` in the stored formats; the Engram tables into host
-    memory instead (``host_engram``: None = on for CUDA), never through the device.
+    """Stream ``model_dir`` (official layout) onto ``device`` in the stored formats; the Engram tables mapped
+    from the files into host memory instead (``host_engram``: None = on for CUDA), never through the device.
 
     Raises CheckpointError (a ValueError) before reading anything when a tensor is missing or mis-shaped.
     """
     model_dir = Path(model_dir)
     model = meta_model(model_dir, dtype, with_dspark)
-    cfg = model.cfg
-    formats = weight_formats(model)
-    params = dict(model.named_parameters())
-    expected = {k: tuple(v.shape) for k, v in params.items()}
-    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
-    pending: dict[str, dict[tuple[str, int], tuple]] = defaultdict(dict)
-    reader = CheckpointReader(model_dir)
-    host, tables = wants_host_tables(host_engram, device), {}
-    for plan, data, scale in reader.load_stored(expected, device="cpu", progress=progress, strict=with_dspark,
-                                                 skip=dspark_skip(with_dspark)):
-        if host and plan.name.endswith(TABLE_SUFFIX):
-            engram = model.get_submodule(plan.name.removesuffix(".embed.weight"))
-            tables[engram.layer] = HostTable.from_stored(data, scale, pin=torch.device(device).type == "cuda")
-            continue
-        data, scale = data.to(device), None if scale is None else scale.to(device)
-        hit = _EXPERT.match(plan.name)
-        if hit:
-            moe_name = hit["moe"]
-            parts = pending[moe_name]
-            parts[(hit["w"], int(hit["e"]) if hit["e"] is not None else -1)] = (data, scale)
-            moe = moes[moe_name]
-            if len(parts) == 3 * moe.gate.weight.shape[0] + 3:
-                moe.experts, moe.shared_experts = _experts(moe, parts, device), None
-                del pending[moe_name]
-            continue
-        if plan.fmt is StorageFormat.FP8 and formats[plan.name] == "fp8":
-            owner, _, attr = plan.name.removesuffix(".weight").rpartition(".")
-            setattr(model.get_submodule(owner), attr,
-                    Fp8Linear(as_e4m3fn(data), as_e8m0(scale), compute_dtype=params[plan.name].dtype))
-            continue
-        _set_param(model, plan.name, dequantize(plan.fmt, data, scale, params[plan.name].dtype))
-    if tables:
-        attach_host_tables_(model, tables, device, dtype)
-    model.token_map = default_token_map(cfg).to(device)
-    left = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
-    if left or pending:
-        raise ValueError(f"{model_dir}: the checkpoint left {len(left)} tensors unset (e.g. {left[:3]}) and "
-                         f"{len(pending)} MoE layers incomplete")
-    return model.eval()
+    expected = {k: tuple(v.shape) for k, v in model.named_parameters()}
+    return load_parts_(model, model_dir, expected, {}, device, formats=True,
+                       host_engram=host_engram, strict=with_dspark, skip=dspark_skip(with_dspark), progress=progress)

@@ -5,18 +5,77 @@ The checkpoint stores each table as fp8 rows: e4m3 codes ``[R, hd]`` with one e8
 (``from_stored``) or from a float table that fp8 rows hold exactly (``from_weight``: a snapped random model, a
 dequantised load), so no float copy of a multi-GB table is ever made. A table fp8 rows cannot hold exactly
 stays float (``scale=None``). With ``pin`` the memory is page-locked, so the device copies are DMA.
+
+``map_stored`` takes neither a copy nor a read: the table IS the checkpoint file's bytes, a shared read-only
+mapping (``mmap`` of the tensor's range of its shard). Every process of a host that maps the same file
+region shares the page cache's one copy of it, so the ranks of one host hold one copy of each table
+(measured with PSS, which splits a shared page between its mappers; RSS counts it in full in each). On
+CUDA the mapped range is registered in place (``cudaHostRegister``, read-only) rather than copied into
+torch's pinned allocator, which rounds a block up to a power of two (a 98 GB table would lock 128 GB);
+registration also faults every page in once, at load. When registration fails (an old driver, a file
+system that refuses it) the table stays mapped and unregistered, with one warning: the gathers read it
+on the host into pinned staging either way (engram_host.py), only page faults may then reach the disk.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import math
+import mmap
+import warnings
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
+from flashtier.engine.model.sharded_reader import ByteRange
 from flashtier.kernels.quant.fp8_weight import as_raw_bytes, dequantize_fp8_weight, quantize_fp8_weight
 
 ROW_BLOCK = (1, 32)  # the checkpoint's fp8_rows scale block (one e8m0 per 32 values of a row)
 _CHUNK_ROWS = 1 << 18  # rows quantised at a time when a float table moves to the host
+# cudaHostRegisterPortable | cudaHostRegisterReadOnly: pinned for every context, without write access (the
+# mapping is read-only; asking for write access would fail, or break the sharing on a private mapping)
+_REGISTER_FLAGS = 0x01 | 0x08
+
+log = logging.getLogger("flashtier.engine.model")
+
+
+def map_region(region: ByteRange, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor over ``region`` of its file, mapped shared (no copy, no read: pages come from the page
+    cache on first touch). The tensor keeps the mapping alive; writing to it is an error (SIGSEGV: the pages
+    are read-only). ValueError when ``shape`` x ``dtype`` does not fill the region."""
+    if region.nbytes != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{region.path}: {region.nbytes} bytes at {region.offset} cannot hold {dtype} {list(shape)}")
+    base = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
+    with open(region.path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), region.offset + region.nbytes - base, offset=base, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():  # torch warns that the buffer is not writable: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=region.nbytes, offset=region.offset - base)
+    return flat.view(dtype).view(shape)
+
+
+class _Registration:
+    """A host range registered with CUDA; unregistered when collected (before its mapping can go away)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        page = mmap.PAGESIZE
+        start = tensor.data_ptr() - tensor.data_ptr() % page
+        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        self.ptr, self.nbytes = start, -(-(end - start) // page) * page
+        self.ok = False
+        self.tensor = tensor  # its mapping outlives the registration: the finaliser runs before this is dropped
+        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, _REGISTER_FLAGS)
+        if int(err) != 0:
+            log.warning("cudaHostRegister of a %.1f GB Engram table mapping failed (%s); it stays mapped, "
+                        "unregistered", self.nbytes / 1e9, err)
+            return
+        self.ok = True
+        weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, self.ptr)
+
+
+def _register(tensor: torch.Tensor, register: bool) -> _Registration | None:
+    return _Registration(tensor) if register and torch.cuda.is_available() else None
 
 
 def _table_memory(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -35,6 +94,8 @@ class HostTable:
 
     data: torch.Tensor
     scale: torch.Tensor | None
+    # the CUDA registrations of a mapped table's ranges (kept alive with it); empty otherwise
+    registered: tuple[_Registration, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self):
         if self.data.dim() != 2 or self.data.device.type != "cpu":
@@ -68,6 +129,23 @@ class HostTable:
             return _table_memory(tuple(t.shape), t.dtype, pin).copy_(t)
 
         return cls(host(data), None if scale is None else host(scale))
+
+    @property
+    def pinned(self) -> bool:
+        """True when the table's memory is page-locked (pinned at allocation, or registered in place)."""
+        return self.data.is_pinned() or (bool(self.registered) and all(r.ok for r in self.registered))
+
+    @classmethod
+    def map_stored(cls, data: ByteRange, scale: ByteRange, shape: tuple[int, int], *, register: bool) -> HostTable:
+        """The table as its checkpoint stores it (e4m3 codes ``[R, hd]`` at ``data``, e8m0 scales ``[R, hd/32]``
+        at ``scale``), mapped read-only and shared (``map_region``); with ``register`` and CUDA present, both
+        ranges registered in place (module docstring; a failure leaves them unregistered with a warning).
+        ValueError when the ranges do not hold those shapes."""
+        r, hd = shape
+        codes = map_region(data, torch.uint8, (r, hd))
+        scales = map_region(scale, torch.uint8, (r, -(-hd // ROW_BLOCK[1])))
+        regs = tuple(x for x in (_register(codes, register), _register(scales, register)) if x is not None)
+        return cls(codes, scales, regs)
 
     @classmethod
     @torch.no_grad()

@@ -11,8 +11,10 @@ Two weight holders, one semantics:
 - ``nn.Linear`` holding the dequantised values (what ``random_model`` and the loader build; the CPU and
   float64 paths): ``linear`` quantise-dequantises x (``numerics.qdq``) and runs ``F.linear``.
 - ``Fp8Linear`` holding the checkpoint bytes (``weight_q`` e4m3 + ``weight_scale`` e8m0, built by
-  ``placement.quantize_linears_``): on CUDA ``act_quant`` + the Triton ``fp8_gemm``; elsewhere the
-  dequantised weight and ``F.linear``, bit-identical to the ``nn.Linear`` path.
+  ``placement.quantize_linears_``): on CUDA ``fp8_gemm_fused`` (``act_quant``, then ``fp8_gemm`` with its
+  split-K summed inside the GEMM: the in-load quantisation it can also run measured slower on an H100,
+  docs/perf/fp8_gemm.json; the same bits either way); elsewhere the dequantised weight and ``F.linear``, bit-identical to
+  the ``nn.Linear`` path.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashtier.engine.model.numerics import qdq, up
-from flashtier.kernels.fp8_gemm.op import act_quant as act_quant_codes
-from flashtier.kernels.fp8_gemm.op import fp8_gemm
+from flashtier.kernels.fp8_gemm.op import fp8_gemm, fp8_gemm_fused, split_counters
 from flashtier.kernels.quant.fp8_weight import dequantize_fp8_weight, quantize_fp8_weight
 from flashtier.kernels.quant.fp8 import fp8_qdq
 
@@ -70,6 +71,10 @@ class Fp8Linear(nn.Module):
     ``compute_dtype`` is the dtype the replaced ``nn.Linear`` computed in (fp32, bf16 or float64); the
     CPU path dequantises to it so that results equal that module's bit for bit. Keep the buffers in their
     float8 dtypes: ``module.double()`` / ``.float()`` would convert them (move with ``.to(device)``).
+
+    ``split_counters`` (int32 zeros, not saved) are the GEMM's split-K tile counters: one per 16 output columns
+    (the smallest tile), so every launch shape fits; each launch leaves them zeroed. Kept here rather than
+    allocated per call so that a decode step (and its CUDA graph) has no memset for them.
     """
 
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, compute_dtype: torch.dtype = torch.float32):
@@ -78,6 +83,7 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features, self.compute_dtype = k, n, compute_dtype
         self.register_buffer("weight_q", weight_q)
         self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("split_counters", split_counters(-(-n // 16), weight_q.device), persistent=False)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, device: torch.device | str | None = None) -> "Fp8Linear":
@@ -96,12 +102,15 @@ class Fp8Linear(nn.Module):
         return w.to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """act_quant(x) then the GEMM: x [..., K] -> [..., N] fp32 (float64 for float64 x)."""
+        """act_quant(x) then the GEMM: x [..., K] -> [..., N] fp32 (float64 for float64 x). Mutates nothing
+        (``split_counters`` are back to zero when the GEMM ends)."""
         if not x.is_cuda:
             return up(F.linear(act_quant(x).to(self.compute_dtype), self.dequantized()))
         rows = x.reshape(-1, self.in_features)
-        codes, scales = act_quant_codes(rows.float())
-        y = fp8_gemm(codes, scales, self.weight_q, self.weight_scale, block_n=32, out_dtype=torch.float32)
+        if rows.dtype not in (torch.float32, torch.bfloat16):  # bf16 is read exactly; anything else via fp32
+            rows = rows.float()
+        y = fp8_gemm_fused(rows, self.weight_q, self.weight_scale, block_n=32, out_dtype=torch.float32,
+                           counters=self.split_counters)
         return y.to(up(x[:0]).dtype).reshape(*x.shape[:-1], self.out_features)
 
     def grouped(self, o: torch.Tensor, groups: int) -> torch.Tensor:
@@ -111,7 +120,7 @@ class Fp8Linear(nn.Module):
             wa = self.dequantized().view(groups, -1, o.shape[-1])
             return up(torch.einsum("tgd,grd->tgr", o.to(wa.dtype), wa))
         y = fp8_gemm(o.reshape(t, -1).float(), None, self.weight_q, self.weight_scale, block_n=32,
-                     groups=groups, out_dtype=torch.float32)
+                     groups=groups, out_dtype=torch.float32, counters=self.split_counters)
         return y.to(up(o[:0]).dtype).view(t, groups, -1)
 
     def extra_repr(self) -> str:

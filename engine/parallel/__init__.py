@@ -27,5 +27,7 @@ __all__ = [
     "shard_model_",
     "shutdown_distributed",
     "executor",
+    "parallel_attention",
     "parallel_config",
+    "shard",
 ]

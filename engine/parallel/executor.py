@@ -1,16 +1,21 @@
-"""``ParallelEngineClient``: the ``EngineClient`` of a tensor / expert parallel engine, one process per rank.
+"""``EngineCoreClient``: the ``EngineClient`` of the engine core, in its own process for every TP size.
 
-    event loop (server)            driver threads                        rank processes (rank_worker.py)
+    API process (event loop)       driver threads                        engine-core processes (rank_worker.py)
     generate() --AddEvent--> StepPacer --sender: StepInput, pickled once--> every rank: events, engine.step()
     abort()    --AbortEvent-->   |                                            |
-    queue.get() <-- call_soon_threadsafe <-- monitor: StepDone <------------ rank 0
-                                             monitor: sentinels, step timeout -> unhealthy
+    delete_tenant() --DeleteTenantEvent-->                                    |
+    queue.get() <-- call_soon_threadsafe <-- monitor: StepDone, Woken, ------ rank 0
+                                             TenantDeleted; sentinels, step timeout -> unhealthy
 
-The SGLang-style SPMD design: every TP rank holds the same KV (the latent, compressor, indexer and rings
-are replicated), so every rank runs a whole ``Engine`` and only the engine inputs are broadcast; given
-the same inputs before the same step (``StepPacer``) and the same sampling seed, the schedulers and the
-sampled tokens agree, and rank 0's outputs are everyone's. The event loop only files events and hands out
-outputs: pickling, pipe I/O and unpickling happen on the two driver threads.
+One design for every tensor-parallel size, as vLLM v1's API process <-> engine core <-> workers: the API
+process (HTTP, tokenising, detokenising, tool and reasoning parsing) never runs the model. With one rank the
+engine core runs in one child process with its only worker inside it (vLLM's uni-process executor) and the KV
+tiers beside it, so a server is two processes. With N ranks every rank runs a whole ``Engine`` on its shard
+and only the engine inputs are broadcast (SGLang's SPMD scheduler): every TP rank holds the same KV (the
+latent, compressor, indexer and rings are replicated); given the same inputs before the same step
+(``StepPacer``) and the same sampling seed, the schedulers and the sampled tokens agree, and rank 0's outputs
+are everyone's. The event loop only files events and hands out outputs: pickling, pipe I/O and unpickling
+happen on the two driver threads, and the model's host work never competes with the API for a GIL.
 
 Failure: a rank that exits (its process sentinel), reports a failure, cannot be written to, or a step that
 takes longer than ``step_timeout_s`` turns the client unhealthy: ``is_ready()`` is False (``/health``
@@ -29,26 +34,27 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 import torch
 
-from flashtier.engine.client import (EngineDeadError, QueueFullError, TenantDeletionReport, TenantDeletionUnsupported,
-                                     drain_outputs, settle)
+from flashtier.engine.client import EngineDeadError, QueueFullError, TenantDeletionReport, drain_outputs, settle
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.core.outputs import EngineStats, RequestOutput
-from flashtier.engine.parallel.executor_messages import AbortEvent, AddEvent, EngineInfo, Failed, StepDone, StepInput
+from flashtier.engine.parallel.executor_messages import (AbortEvent, AddEvent, DeleteTenantEvent, EngineInfo, Failed,
+                                                       StepDone, StepInput, TenantDeleted, Woken)
 from flashtier.engine.parallel.parallel_config import ParallelConfig
 from flashtier.engine.parallel.rank_processes import RankProcesses
-from flashtier.engine.parallel.rank_worker import RankSpec
+from flashtier.engine.parallel.rank_worker import DEFAULT_LOG_FORMAT, RankSpec
 from flashtier.engine.parallel.step_pacer import StepPacer
 from flashtier.engine.parallel.wire_params import ParamsEncoder
 from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
+from flashtier.kvstore.tenant import tenant_tag
 
-__all__ = ["ParallelEngineClient", "start_parallel_engine"]
+__all__ = ["EngineCoreClient", "start_engine_core"]
 
 log = logging.getLogger("flashtier.engine.parallel")
 
@@ -63,14 +69,21 @@ class _Stream:
     added: asyncio.Future  # None once rank 0 queued the request, or the exception add_request raised
 
 
-class ParallelEngineClient:
-    """Implements ``EngineClient`` over ``spec.parallel.world_size`` rank processes. Build with
-    ``start_parallel_engine`` (or construct, then ``start()``)."""
+class EngineCoreClient:
+    """Implements ``EngineClient`` over ``spec.parallel.world_size`` engine-core processes. Build with
+    ``start_engine_core`` (or construct, then ``start()``)."""
 
-    def __init__(self, spec: RankSpec, *, step_timeout_s: float = STEP_TIMEOUT_S, lookahead: int = 2) -> None:
+    def __init__(self, spec: RankSpec, *, step_timeout_s: float = STEP_TIMEOUT_S, lookahead: int = 2,
+                 phase: Callable[[str], None] | None = None, ranks: RankProcesses | None = None) -> None:
+        """``phase``: hears rank 0's start-up phases ("warming up"), on the thread that calls ``start``.
+        ``ranks``: what runs the ranks (default: ``RankProcesses(spec)``; a test passes an object with the
+        same interface that steps an engine of its own on a thread, to look inside it)."""
         self.spec = spec
+        self._phase = phase
+        self._deletions: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._next_token = 0
         self.step_timeout_s = step_timeout_s
-        self.ranks = RankProcesses(spec)
+        self.ranks = ranks if ranks is not None else RankProcesses(spec)
         self.pacer = StepPacer(lookahead)
         self._streams: dict[str, _Stream] = {}
         self._info: EngineInfo | None = None
@@ -107,17 +120,22 @@ class ParallelEngineClient:
     def is_ready(self) -> bool:
         return self._info is not None and self._accepting and self._error is None
 
-    def start(self, timeout_s: float | None = None) -> "ParallelEngineClient":
+    def start(self, timeout_s: float | None = None) -> "EngineCoreClient":
         """Spawn the ranks and wait until each has built its engine (blocking). RankStartError otherwise."""
-        ready = self.ranks.start(timeout_s)
+        ready = self.ranks.start(timeout_s, self._phase)
         self._info, self._stats = ready[0].info, ready[0].stats
         self._accepting = True
         self._sender.start()
         self._monitor.start()
         p = self.spec.parallel
-        log.info("parallel engine: %d ranks (tensor parallel %d, expert parallel %s), pids %s, rendezvous "
-                 "127.0.0.1:%d", p.world_size, p.tensor_parallel_size, "on" if p.expert_parallel else "off",
-                 [r.pid for r in ready], self.spec.port)
+        if p.world_size == 1:
+            log.info("engine core: pid %d", ready[0].pid)
+        else:
+            log.info("parallel engine: %d ranks (tensor parallel %d, expert parallel %s), pids %s, rendezvous "
+                     "127.0.0.1:%d", p.world_size, p.tensor_parallel_size, "on" if p.expert_parallel else "off",
+                     [r.pid for r in ready], self.spec.port)
+        if self._info.warmup_s is not None:
+            log.info("warm-up: %.1f s", self._info.warmup_s)
         return self
 
     async def generate(
@@ -162,15 +180,42 @@ class ParallelEngineClient:
         return self._stats
 
     async def delete_tenant(self, tenant: str | None) -> TenantDeletionReport:
-        """Not supported: every rank holds its own prefix cache, and a deletion would have to reach them all
-        at the same step (a new broadcast event); the SSD tier and snapshot pool are off with N > 1."""
-        raise TenantDeletionUnsupported("deleting a tenant from a running tensor-parallel server is not "
-                                        "supported; restart it (each rank's HBM prefix cache starts empty)")
+        """See ``EngineClient.delete_tenant``. Every rank drops the tenant from its prefix index before the same
+        step (``DeleteTenantEvent``: the engine's state has one owner per rank); rank 0 then deletes it from the
+        tiers on its own thread and answers. The event loop does O(1) work and waits.
+        Failure: EngineDeadError when the engine is unavailable; OSError for an SSD failure, RuntimeError for
+        another tier error (the message names it)."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine is unavailable: {self._error}")
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._lock:
+            token = self._next_token
+            self._next_token += 1
+            self._deletions[token] = (loop, done)
+        self.pacer.submit(DeleteTenantEvent(token, tenant))
+        if self._error is not None:  # failed meanwhile: _fail may have run before the registration
+            self._deletions.pop(token, None)
+            raise EngineDeadError(f"the engine is unavailable: {self._error}")
+        r = await done
+        return TenantDeletionReport(
+            tenant_tag=tenant_tag(tenant).hex(), hbm_free_blocks=r.hbm_free_blocks,
+            hbm_in_use_blocks=r.hbm_in_use_blocks, ssd_queued_discarded=r.ssd_queued_discarded,
+            ssd_records_deleted=r.ssd_records_deleted, ssd_live_deleted=r.ssd_live_deleted,
+            ssd_bytes_deleted=r.ssd_bytes_deleted, ssd_unattributed_bytes=r.ssd_unattributed_bytes,
+            ssd_segments_rewritten=r.ssd_segments_rewritten, ssd_records_kept=r.ssd_records_kept,
+            snapshot_namespaces=r.snapshot_namespaces, snapshots_deleted=r.snapshots_deleted,
+            seconds=time.monotonic() - started)
 
     def engine_summary(self) -> str:
         """The start-up summary's engine line."""
         i, p = self._ready_info(), self.spec.parallel
         size = i.num_blocks * i.block_bytes
+        if p.world_size == 1:
+            return (f"engine: device {i.device}, dtype {i.dtype}, HBM pool {i.num_blocks:,} blocks of "
+                    f"{i.block_size} tokens x {i.block_bytes:,} B = {size / (1 << 30):.2f} GiB (engine core pid "
+                    f"{self.ranks.pids[0]})")
         return (f"engine: {p.world_size} ranks (tensor parallel {p.tensor_parallel_size}, expert parallel "
                 f"{'on' if p.expert_parallel else 'off'}), rank 0 on {i.device}, dtype {i.dtype}, HBM pool per "
                 f"rank {i.num_blocks:,} blocks of {i.block_size} tokens x {i.block_bytes:,} B = "
@@ -250,11 +295,19 @@ class ParallelEngineClient:
             self.pacer.close()
 
     def _handle(self, rank: int, msg: object) -> None:
-        if isinstance(msg, Failed):  # after another failure this is usually its echo (a lost peer): quieter
+        if isinstance(msg, StepDone):
+            self._deliver(msg)
+        elif isinstance(msg, Woken):
+            self.pacer.wake()
+        elif isinstance(msg, TenantDeleted):
+            self._answer_deletion(msg)
+        elif isinstance(msg, Failed):
+            gone = self.ranks.exited_rank()
+            if gone is not None and gone != rank:  # a peer's death surfaced here first as a collective error
+                self._fail(f"rank {gone} {self.ranks.describe_exit(gone)}")
+                return  # after another failure this is usually its echo (a lost peer): quieter
             log.log(logging.ERROR if self._error is None else logging.DEBUG, "rank %d failed:\n%s", rank, msg.detail)
             self._fail(f"rank {rank} failed: {msg.error}")
-        elif isinstance(msg, StepDone):
-            self._deliver(msg)
         else:
             self._fail(f"rank {rank} sent an unexpected {type(msg).__name__}")
 
@@ -274,7 +327,19 @@ class ParallelEngineClient:
                 self._streams.pop(out.request_id, None)
             _post(stream.loop, stream.queue.put_nowait, out)
         self._stats = done.stats
-        self.pacer.done(done.step, done.unfinished)
+        self.pacer.done(done.step, done.unfinished and not done.stalled)
+
+    def _answer_deletion(self, msg: TenantDeleted) -> None:
+        with self._lock:
+            waiter = self._deletions.pop(msg.token, None)
+        if waiter is None:
+            return
+        loop, fut = waiter
+        if msg.error is None:
+            _post(loop, _settle_value, fut, msg.result)
+        else:
+            kind, text = msg.error
+            _post(loop, settle, fut, OSError(text) if kind in _OS_ERRORS else RuntimeError(f"{kind}: {text}"))
 
     def _fail(self, reason: str) -> None:
         """Turn unhealthy (once): fail every request, stop releasing steps, terminate the ranks."""
@@ -292,6 +357,10 @@ class ParallelEngineClient:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 _post(stream.loop, _fail_stream, stream, exc)
+        with self._lock:
+            deletions, self._deletions = self._deletions, {}
+        for loop, fut in deletions.values():
+            _post(loop, settle, fut, exc)
 
     def _reap(self, timeout_s: float) -> None:
         self.ranks.stop(timeout_s)
@@ -318,6 +387,14 @@ def _admission_error(result: tuple[str, str] | None) -> BaseException | None:
         RuntimeError(message))
 
 
+_OS_ERRORS = {"OSError", "IOError", "FileNotFoundError", "PermissionError", "TimeoutError", "BlockingIOError"}
+
+
+def _settle_value(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
 def _fail_stream(stream: _Stream, exc: BaseException) -> None:
     settle(stream.added, exc)
     stream.queue.put_nowait(exc)
@@ -330,28 +407,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_parallel_engine(
+def start_engine_core(
     parallel: ParallelConfig,
     config: EngineConfig,
     kv: KVStoreConfig,
     token_map: torch.Tensor | None = None,
     *,
     seed: int | None = None,
+    tiers: bool = False,
+    threads: int | None = None,
+    log_level: str = "warning",
+    log_format: str = DEFAULT_LOG_FORMAT,
+    pg_timeout_s: float = 600.0,
     start_timeout_s: float | None = None,
     **client_kwargs,
-) -> ParallelEngineClient:
-    """Spawn the ranks of ``parallel`` (blocking until every engine is built) and return the started client.
+) -> EngineCoreClient:
+    """Spawn the engine-core process(es) of ``parallel`` (blocking until every engine is built and warmed up)
+    and return the started client.
 
-    ``seed``: the sampling seed of every rank (None: one random seed shared by all). ValueError for what
-    the parallel engine does not run (data parallelism, speculative decoding); RankStartError when a rank
-    fails to start.
+    ``seed``: the sampling seed of every rank (None: one random seed shared by all). ``tiers``: the SSD tier and
+    snapshot pool (one rank only). ``threads``: torch intra-op threads per rank (None: this process's count
+    with one rank, 1 per rank with several). ``client_kwargs``: ``EngineCoreClient``'s (``phase``,
+    ``step_timeout_s``). ValueError for what the engine core does not run (data parallelism; speculative
+    decoding or tiers with several ranks); RankStartError when a rank fails to start.
     """
     if parallel.data_parallel_size != 1:
         raise ValueError(f"--data-parallel-size {parallel.data_parallel_size}: data parallel serving is not "
                          "supported; use --tensor-parallel-size")
-    if config.speculative_tokens:
+    if config.speculative_tokens and parallel.world_size > 1:
         raise ValueError("speculative decoding cannot run with --tensor-parallel-size > 1: the DSpark drafter "
                          "reads the whole vocabulary head")
-    spec = RankSpec(parallel, config, kv, free_port(), secrets.randbits(63) if seed is None else seed,
-                    None if token_map is None else token_map.tolist())
-    return ParallelEngineClient(spec, **client_kwargs).start(start_timeout_s)
+    if threads is None:
+        threads = torch.get_num_threads() if parallel.world_size == 1 else 1
+    spec = RankSpec(parallel, config, kv, free_port() if parallel.world_size > 1 else 0,
+                    secrets.randbits(63) if seed is None else seed,
+                    None if token_map is None else token_map.tolist(), pg_timeout_s=pg_timeout_s, threads=threads,
+                    tiers=tiers, log_level=log_level, log_format=log_format)
+    return EngineCoreClient(spec, **client_kwargs).start(start_timeout_s)

@@ -1,7 +1,11 @@
-"""What crosses the pipes between the driver (the server process) and the rank processes.
+"""What crosses the pipes between the driver (the API process) and the engine-core (rank) processes.
 
     driver -> every rank   StepInput(step, events, stop)    the engine inputs that apply before step ``step``
-    rank 0 -> driver       StepDone(step, outputs, admitted, stats, unfinished)
+    rank 0 -> driver       StepDone(step, outputs, admitted, stats, unfinished, stalled)
+                           Woken()                           a tier lookup finished while rank 0 was stalled
+                           TenantDeleted(token, report | error)   a DeleteTenantEvent's result, once the tiers
+                                                             are done (sent from rank 0's deletion thread)
+                           Phase(text)                       start-up progress ("warming up"), before Ready
     every rank -> driver   Ready(rank, info) once at start-up, or Failed(rank, error) when it cannot go on
 
 Events are the only inputs of an ``Engine``: every rank applies the same events in the same order before
@@ -32,7 +36,16 @@ class AbortEvent:
     request_id: str
 
 
-Event = AddEvent | AbortEvent
+@dataclass(frozen=True)
+class DeleteTenantEvent:
+    """Drop ``tenant``'s blocks from every rank's prefix index before the step; rank 0 then deletes it from the
+    tiers on a thread and answers ``TenantDeleted(token)``."""
+
+    token: int  # matches the answer to the caller
+    tenant: str | None
+
+
+Event = AddEvent | AbortEvent | DeleteTenantEvent
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,48 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     block_bytes: int
+    world_size: int = 1
+    tiers: bool = False  # the SSD tier and snapshot pool run (one rank only)
+    warmup_s: float | None = None  # how long the warm-up took (None: not run)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Start-up progress of rank 0 ("warming up"), shown by /health until Ready."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Woken:
+    """Rank 0 was stalled (every request waiting on a tier lookup) and a lookup finished: release a step."""
+
+
+@dataclass(frozen=True)
+class TenantDeletionResult:
+    """What a tenant's deletion removed per tier (the fields of ``engine.client.TenantDeletionReport``,
+    less the tenant tag and the time, which the driver adds)."""
+
+    hbm_free_blocks: int
+    hbm_in_use_blocks: int
+    ssd_queued_discarded: int
+    ssd_records_deleted: int
+    ssd_live_deleted: int
+    ssd_bytes_deleted: int
+    ssd_unattributed_bytes: int
+    ssd_segments_rewritten: int
+    ssd_records_kept: int
+    snapshot_namespaces: int
+    snapshots_deleted: int
+
+
+@dataclass(frozen=True)
+class TenantDeleted:
+    """The answer to ``DeleteTenantEvent(token)``: ``result``, or ``error`` = (exception type name, message)."""
+
+    token: int
+    result: TenantDeletionResult | None
+    error: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,3 +144,4 @@ class StepDone:
     stats: EngineStats
     unfinished: bool
     seconds: float = 0.0  # wall time of the step on rank 0 (events + forward + postprocess)
+    stalled: bool = False  # nothing ran: every request waits on a tier lookup (``Woken`` follows when one ends)

@@ -8,7 +8,9 @@ Each (token, slot) pair of a routing ``idx [n, k]`` is one row on the wire::
     unsort back to [n, k, D]; the caller sums the slots in ascending expert id (the spec's order)
 
 Rows travel unquantised (the owner quantises them, per row, exactly as the sender would) in the compute
-dtype (fp32, or float64 in the exactness mode). The expert id rides as a float: exact below 2^24.
+dtype (fp32, or float64 in the exactness mode). The expert id rides as a float: exact below 2^24. What a rank
+receives is the grouped MoE op's input with k = 1 (``x [P_in, D]``, ids and weights ``[P_in, 1]``), whose
+per-row output is each pair's expert output, as ``combine`` returns it (expert_parallel_moe.py).
 """
 
 from __future__ import annotations

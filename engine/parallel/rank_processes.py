@@ -14,7 +14,9 @@ import signal
 import time
 from multiprocessing.connection import Connection, wait
 
-from flashtier.engine.parallel.executor_messages import Failed, Ready
+from collections.abc import Callable
+
+from flashtier.engine.parallel.executor_messages import Failed, Phase, Ready
 from flashtier.engine.parallel.rank_worker import RankSpec, rank_main
 
 __all__ = ["RankProcesses", "RankStartError"]
@@ -48,9 +50,10 @@ class RankProcesses:
     def sentinels(self) -> list[int]:
         return [p.sentinel for p in self.procs]
 
-    def start(self, timeout_s: float | None = None) -> list[Ready]:
-        """Start every rank and wait for its ``Ready``. RankStartError naming the first rank that reports a
-        failure, exits, or is not ready within ``timeout_s`` (None: no limit); the ranks are stopped then."""
+    def start(self, timeout_s: float | None = None, on_phase: Callable[[str], None] | None = None) -> list[Ready]:
+        """Start every rank and wait for its ``Ready``; ``on_phase`` hears rank 0's start-up phases ("warming
+        up"). RankStartError naming the first rank that reports a failure, exits, or is not ready within
+        ``timeout_s`` (None: no limit); the ranks are stopped then."""
         for p in self.procs:
             p.start()
         for end in self._rank_ends:  # the children hold their own copies now
@@ -66,7 +69,12 @@ class RankProcesses:
                     raise RankStartError(f"ranks {waiting} were not ready within {timeout_s:g} s")
                 for r in waiting:
                     if self.conns[r].poll():
-                        ready[r] = self._expect_ready(r)
+                        msg = self._expect_ready(r)
+                        if isinstance(msg, Phase):
+                            if on_phase is not None:
+                                on_phase(msg.text)
+                        else:
+                            ready[r] = msg
                     elif not self.procs[r].is_alive():
                         raise RankStartError(f"rank {r} {self.describe_exit(r)} before its engine was ready")
         except BaseException:
@@ -75,7 +83,7 @@ class RankProcesses:
             raise
         return [ready[r] for r in range(len(self.procs))]
 
-    def _expect_ready(self, rank: int) -> Ready:
+    def _expect_ready(self, rank: int) -> Ready | Phase:
         try:
             msg = self.conns[rank].recv()
         except (EOFError, OSError):
@@ -83,9 +91,17 @@ class RankProcesses:
         if isinstance(msg, Failed):
             log.error("rank %d failed to start:\n%s", rank, msg.detail)
             raise RankStartError(f"rank {rank} failed to start: {msg.error}")
-        if not isinstance(msg, Ready):
+        if not isinstance(msg, (Ready, Phase)):
             raise RankStartError(f"rank {rank} sent {type(msg).__name__} before Ready")
         return msg
+
+    def exited_rank(self) -> int | None:
+        """The first rank whose process has exited (None while all run): the cause when a peer then reports a
+        failed collective."""
+        for rank, p in enumerate(self.procs):
+            if p.pid is not None and not p.is_alive():
+                return rank
+        return None
 
     def describe_exit(self, rank: int) -> str:
         """How rank ``rank``'s process ended, for a log line: "(pid 12) exited with signal SIGKILL"."""

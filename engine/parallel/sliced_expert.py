@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtier.engine.model.moe import Expert
+from flashtier.engine.model.sharded_reader import TensorSlice
 from flashtier.engine.parallel.column_quant import column_shard_qdq
 from flashtier.engine.parallel.group_comm import GroupComm
 from flashtier.engine.parallel.shard import Shard
@@ -41,6 +42,12 @@ class SlicedExpert(Expert):
         out.w3.weight.copy_(expert.w3.weight[inter.slice])
         out.w2.weight.copy_(expert.w2.weight[:, inter.slice])
         return out
+
+    def checkpoint_slices(self, prefix: str) -> dict[str, TensorSlice]:
+        """The parts of the checkpoint's tensors this slice holds, by name (``prefix``: the module's name):
+        rows ``inter`` of w1 and w3, the same columns of w2 (``from_expert``'s cut)."""
+        rows, cols = TensorSlice(0, self.inter.start, self.inter.size), TensorSlice(1, self.inter.start, self.inter.size)
+        return {f"{prefix}.w1.weight": rows, f"{prefix}.w3.weight": rows, f"{prefix}.w2.weight": cols}
 
     def activation(self, xq: torch.Tensor, route_w: torch.Tensor | None, limit: float) -> torch.Tensor:
         """w2's input on this rank's slice, before its quantisation: [n, inter.size] for quantised rows xq [n, D].

@@ -7,6 +7,10 @@ something to do (new events, or rank 0 reported unfinished work after its last s
 ``lookahead`` released steps are waiting for rank 0's report, so the ranks never wait on the driver's
 round trip while the driver never runs ahead of what it has heard back.
 
+A rank that is stalled (every request waits on a tier lookup, one rank only) reports no unfinished work, so
+no step is released for it until it says a lookup finished (``wake``) or new events arrive: the pipes do not
+spin while the lookup's reader threads work.
+
 Thread-safe: the event loop submits, the sender thread takes releases, the monitor thread reports steps.
 """
 
@@ -80,8 +84,16 @@ class StepPacer:
                 self._closed = True
             return step
 
+    def wake(self) -> None:
+        """Rank 0 was stalled and may run now (a tier lookup finished): release a step."""
+        with self._cond:
+            self._unfinished = True
+            self._cond.notify_all()
+
     def done(self, step: int, unfinished: bool) -> None:
-        """Rank 0 reported ``step``. RuntimeError when it is not the oldest released step (reports come in order)."""
+        """Rank 0 reported ``step``; ``unfinished``: it has work a step can advance now (False while it is
+        stalled on tier lookups: ``wake`` follows). RuntimeError when it is not the oldest released step
+        (reports come in order)."""
         with self._cond:
             if not self._in_flight or self._in_flight[0] != step:
                 raise RuntimeError(f"rank 0 reported step {step}, but the oldest step in flight is "

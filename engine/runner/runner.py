@@ -54,9 +54,12 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         checkpoints = tuple(take_checkpoint(w.seq.kv, w.rows) if w.kind is DecoderKind.VERIFY else None
                             for w in batch.decoder)
+        # draft inputs are read after REPLAY and VERIFY work only: a step of plain DECODE work captures none (and
+        # may replay a CUDA graph)
+        taps = self.taps if any(w.kind is not DecoderKind.DECODE for w in batch.decoder) else ()
         if self.paged is not None:
             if PagedRunner.can_run(batch):
-                return self._output(*self.paged.execute(batch, self.taps), checkpoints)
+                return self._output(*self.paged.execute(batch, taps), checkpoints)
             self.per_sequence_steps += 1
         if batch.encoder:  # also keeps each sequence's replay tail
             encode_batch(self.model, [w.seq.kv for w in batch.encoder], [w.tokens for w in batch.encoder])
@@ -72,7 +75,7 @@ class ModelRunner:
             xs.append(kv.tail_x[-(n - d) :])
             pres.append(kv.tail_pre[-(n - d) :])
             poss.append(torch.arange(d, n, device=dev))
-        plan = plan_rows(batch.decoder, [p.numel() for p in poss], self.taps, dev)
+        plan = plan_rows(batch.decoder, [p.numel() for p in poss], taps, dev)
         capture = plan.capture()
         logits = decode_batch(self.model, states, xs, pres, poss, capture=capture, logit_rows=plan.logit_rows)
         return self._output(logits, plan.hidden(capture), plan, checkpoints)

@@ -1,6 +1,6 @@
 """Speculative decoding with the DSpark drafter: drafting, scheduling draft rows, verification and
-acceptance, and the acceptance statistics.
+acceptance, the acceptance statistics, and the goodput controller that picks each step's draft length.
 """
 
 # The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
-__all__ = ["drafter", "schedule", "state", "stats", "verify"]
+__all__ = ["controller", "drafter", "schedule", "state", "stats", "verify"]

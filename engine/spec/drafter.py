@@ -1,13 +1,20 @@
-"""The drafter's part of a step (after the postprocessor): DSpark rings updated, next drafts proposed.
+"""The drafter's part of a step: DSpark rings updated after the step, drafts proposed at the next one's start.
 
     REPLAY work   the prompt's replayed window gives the draft inputs of its last positions: every choice of
                   the request (n > 1 forks included) gets drafter state with its rings seeded from them
     VERIFY work   the verifier left the accepted positions' draft inputs in ``spec.pending``: written
-    then          every such sequence still decoding runs the stages over its ``dspark_block_size`` draft rows,
-                  batched over sequences (model/dspark.py), then the Markov head's sequential loop here for
-                  the first ``depth`` of them (drafts past the depth are never verified):
-                  greedy requests take the argmax (q = one-hot), sampled ones draw from q = softmax(l / T)
-                  with their own generator and keep q for the acceptance rule.
+    DECODE work   a speculating sequence decoded without drafts (the goodput controller chose 0): no draft
+                  inputs came back (the step may have been a CUDA graph), so its rings miss that position
+                  (``SpecState.synced`` turns False)
+    next step     when the controller's draft length k is > 0, ``propose_for`` runs the stages over the
+                  ``dspark_block_size`` draft rows of every running sequence whose drafts are stale, batched
+                  over sequences (model/dspark.py), then the Markov head's sequential loop here for the first
+                  k of them (drafts past k are never verified): greedy requests take the argmax (q = one-hot),
+                  sampled ones draw from q = softmax(l / T) with their own generator and keep q for the
+                  acceptance rule.
+
+Proposing at the start of the step that verifies the drafts (not at the end of the step before) lets the
+controller decide first: a step without drafts costs no drafting.
 
 Sequences with a grammar (structured output) are not speculated: they decode one token per step.
 """
@@ -18,6 +25,8 @@ import torch
 
 from flashtier.engine.model.dspark import confidence, draft_block, head_logits, markov, new_rings, ring_kv, write_rings
 from flashtier.engine.model.transformer import Transformer
+from collections.abc import Iterable
+
 from flashtier.engine.core.request import Request, Sequence
 from flashtier.engine.core.request_state import RequestStatus
 from flashtier.engine.runner.runner import ModelRunnerOutput
@@ -42,9 +51,9 @@ class Drafter:
 
     @torch.no_grad()
     def after_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Write this step's accepted draft inputs into the rings, then draft for every sequence that got one.
+        """Write this step's accepted draft inputs into the rings (``propose_for`` drafts at the next step).
 
-        Mutates the sequences' ``spec`` (rings, drafts, q, confidence; created for new decoders)."""
+        Mutates the sequences' ``spec`` (rings, ``pending`` consumed, ``synced``; created for new decoders)."""
         seeds: list[Seed] = []
         for i, w in enumerate(sched.decoder):
             req = w.request
@@ -61,13 +70,20 @@ class Drafter:
                 w.seq.spec.pending = None
                 if not w.seq.finished:
                     seeds.append((req, [w.seq], hidden, first))
-        if not seeds:
-            return
-        self._write(seeds)
-        live = [(req, s) for req, seqs, _, _ in seeds if req.status is RequestStatus.DECODE
-                for s in seqs if not s.finished]
+            elif w.kind is DecoderKind.DECODE and w.seq.spec is not None:
+                w.seq.spec.synced = False
+        if seeds:
+            self._write(seeds)
+
+    @torch.no_grad()
+    def propose_for(self, requests: Iterable[Request], n: int) -> None:
+        """Draft ``n`` tokens (1 <= n <= depth) for every decoding sequence of ``requests`` whose drafts do not
+        follow its last token. Mutates those sequences' ``spec`` (drafts, q, confidence) and the generators of
+        sampled ones."""
+        live = [(req, s) for req in requests if req.status is RequestStatus.DECODE for s in req.live_seqs
+                if s.spec is not None and s.output and s.spec.draft_pos != len(req.prompt) + len(s.output) - 1]
         if live:
-            self._propose(live)
+            self.propose(live, n)
 
     def _write(self, seeds: list[Seed]) -> None:
         """One ring-KV computation over every seed's rows, then each sequence's rings written."""
@@ -82,14 +98,16 @@ class Drafter:
                 write_rings(s.spec.rings, kv[:, part], pos[part])
             at += h.shape[0]
 
-    def _propose(self, live: list[tuple[Request, Sequence]]) -> None:
+    def propose(self, live: list[tuple[Request, Sequence]], n: int) -> None:
+        """Draft ``n`` tokens for each of ``live`` (the proposal itself; a benchmark's oracle drafter overrides it).
+        Mutates the sequences' ``spec`` and the generators of sampled requests."""
         if not live:
             return
         model, dev = self.model, self.model.device
         last = torch.tensor([s.output[-1] for _, s in live], device=dev)
         pos = [len(r.prompt) + len(s.output) - 1 for r, s in live]
         x = draft_block(model, [s.spec.rings for _, s in live], last, torch.tensor(pos, device=dev))
-        n = min(x.shape[1], self.depth)
+        n = min(x.shape[1], self.depth, n)
         tokens, conf = [last], []
         qs: list[list[torch.Tensor]] = [[] for _ in live]
         for i in range(n):

@@ -3,8 +3,9 @@
 Confidence-scheduled verify length: the drafter's confidence head scores each draft (a logit of "this draft
 is accepted"); draft i is verified only while the estimated probability that drafts 1..i are all accepted,
 prod_{j <= i} sigmoid(c_j), stays at or above ``min_confidence``. Each verified draft costs a target row;
-one that would most likely be rejected buys nothing. The count is then capped by the depth, the step's token
-budget, ``max_tokens``, the context length and the window (a chunk never overwrites its own ring slots).
+one that would most likely be rejected buys nothing. The count is then capped by the depth, the goodput
+controller's draft length for the step (spec/controller.py), the step's token budget, ``max_tokens``, the
+context length and the window (a chunk never overwrites its own ring slots).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class SpecPolicy:
         alive = torch.cumprod(torch.sigmoid(confidence[:n].double()), 0) >= self.min_confidence
         return int(alive.long().cumprod(0).sum())
 
-    def feed(self, req: Request, seq: Sequence, budget: int) -> tuple[list[int], int]:
-        """(tokens to feed, how many of them are drafts) for a decoding sequence. Reads only."""
+    def feed(self, req: Request, seq: Sequence, budget: int, cap: int | None = None) -> tuple[list[int], int]:
+        """(tokens to feed, how many of them are drafts) for a decoding sequence, at most ``cap`` drafts (None:
+        the depth). Reads only."""
         known = known_tokens(req, seq)
         spec = seq.spec
         if spec is None:
@@ -49,6 +51,6 @@ class SpecPolicy:
         total = len(req.prompt) + len(seq.output)
         drafts = spec.drafts_for(total - 1)
         k = self.verify_length(spec.confidence, len(drafts))
-        k = min(k, budget - len(known), req.params.max_tokens - len(seq.output) - 1,
-                self.max_model_len - total - 1, self.window - len(known))
+        k = min(k, self.depth if cap is None else cap, budget - len(known),
+                req.params.max_tokens - len(seq.output) - 1, self.max_model_len - total - 1, self.window - len(known))
         return known + list(drafts[: max(k, 0)]), max(k, 0)

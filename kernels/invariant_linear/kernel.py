@@ -17,8 +17,19 @@ Modes (constexpr ``MODE``):
   0  x bf16, w bf16: bf16 MMAs, fp32 accumulation, bf16 output (``F.linear`` in bf16).
   1  x fp32, w bf16: x split exactly into three bf16 parts (hi + mid + lo = x: 8 + 8 + 8 significant bits),
      three bf16 MMAs against the exact weight: exact products summed in fp32 (fp32 output).
-  2  w fp32: fp32 FMA dot (``input_precision="ieee"``), fp32 output.
+  2  x fp32, w fp32 (the mHC mixes, [24, 4 x 5120]): both split exactly into three bf16 parts, and the six
+     part products above 2^-24 of the leading one (hi.hi, hi.mid, mid.hi, hi.lo, lo.hi, mid.mid) summed
+     smallest first on the tensor cores (exact products, fp32 accumulation; the three dropped ones are below
+     2^-32 of |w||x|), fp32 output.
 Under TRITON_INTERPRET=1 every mode runs one fp32 dot on the upcast values (numpy cannot take bf16).
+
+Why mode 2 is not an fp32 FMA dot (``input_precision="ieee"``, the form before): Triton runs that dot on the
+CUDA cores, and its work grows with the row tile while the weight bytes do not. The float linears took 1.8 ms per
+step at one row and 7.0 ms at 64 (docs/perf/gpu_step.json); the head and compressor already ran on the tensor
+cores, so the likely cause (an estimate from the FMA count, not a per-call profile) is the mHC mixes: two calls
+per layer, K = 20480, a 64 x 64 FMA tile for 24 outputs, ~1.3 M FMAs per program at 64 rows. Six bf16 MMAs of
+the same tile are tensor-core work of a few microseconds. BLOCK_K is one constant for every mode (64): with
+several MMAs per step the step length is part of the summation order, so it must not follow the batch either.
 """
 
 from __future__ import annotations
@@ -56,8 +67,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, k: int, mode: int, device: torch.device) -> LinearConfig:
-    """Splits from (N, K) until ~2 programs per SM with >= 8 K steps each; BLOCK_K from the mode."""
-    block_k = 32 if mode == MODE_F32 else 64
+    """Splits from (N, K) until ~2 programs per SM with >= 8 K steps each; BLOCK_K 64 for every mode."""
+    block_k = 64
     tiles, split = triton.cdiv(n, 64), 1
     while tiles * split < 2 * _sm_count(device) and k // (2 * split) >= 8 * block_k:
         split *= 2
@@ -92,8 +103,27 @@ def _partial(p_x, p_w, o_m, m_m, o_n, m_n, k_lo, k_hi, stride_xm, stride_wn,
             p = tl.dot(b_w, tl.trans(hi), p)
             acc += p
         else:
-            acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision="ieee")
+            xh, xm, xl = _split3(b_x)
+            wh, wm, wl = _split3(b_w)
+            # smallest first: the five small products lose the least to the fp32 additions
+            p = tl.dot(wm, tl.trans(xm))
+            p = tl.dot(wl, tl.trans(xh), p)
+            p = tl.dot(wh, tl.trans(xl), p)
+            p = tl.dot(wm, tl.trans(xh), p)
+            p = tl.dot(wh, tl.trans(xm), p)
+            p = tl.dot(wh, tl.trans(xh), p)
+            acc += p
     return acc
+
+
+@triton.jit
+def _split3(b):
+    """fp32 ``b`` as three bf16 parts with hi + mid + lo == b exactly (8 + 8 + 8 significant bits)."""
+    hi = b.to(tl.bfloat16)
+    r = b - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
 
 
 @triton.jit

@@ -9,7 +9,8 @@ kernel walks K in fixed steps from 0 in one program per output tile (``invariant
 
 Precision: bf16 x and w: bf16 MMAs, fp32 accumulation, bf16 output (as ``F.linear`` in bf16). fp32 x with a
 bf16 w (the fp32 head over its bf16 weight, no fp32 copy of the weight): x split exactly into three bf16
-parts, exact products summed in fp32. fp32 w: fp32 FMA. Against the fp32 reference: fp32 rounding of another
+parts, exact products summed in fp32. fp32 x and w: both split into three bf16 parts, the six significant
+part products on the tensor cores (about fp32 accuracy). Against the fp32 reference: fp32 rounding of another
 summation order (tests/kernels/test_invariant_linear.py states the tolerances).
 
 Dispatch: ``impl="auto"`` runs Triton on CUDA tensors and the reference elsewhere (the CPU and float64 oracle

@@ -3,4 +3,4 @@ MXFP4 experts (``grouped_gemm``, reference, kernels: tile, split-K reduce, combi
 """
 
 # The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
-__all__ = ["grouped_gemm", "grouped_gemm_reference", "route", "weights"]
+__all__ = ["gemm_config", "grouped_gemm", "grouped_gemm_reference", "route", "weights"]

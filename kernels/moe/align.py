@@ -10,6 +10,9 @@ rows, one expert and the pairs it serves. A pair is its flat id ``f = token * k 
   flat id, each expert's run padded with the sentinel ``N * k`` to a multiple of block_m (an expert with
   no pair has no block). Entries past the last used block are the sentinel too.
 - ``block_expert int32 [max_blocks]``: the expert of each block, -1 for unused blocks (kernels skip them).
+- ``first_block int32 [E + 1]``: expert e's blocks are ``[first_block[e], first_block[e + 1])`` (empty when it
+  has no pair); ``first_block[E]`` is the number of used blocks. The grouped GEMM runs one program per expert
+  over these blocks, so it reads the expert's weights once whatever the number of its blocks.
 - ``max_blocks = N*k // block_m + min(E, N*k)``: the most blocks any routing can need (each expert
   wastes less than one block), so buffers and grids are sized without reading the counts back.
 
@@ -37,6 +40,7 @@ class MoEAlignment(NamedTuple):
     block_expert: torch.Tensor  # int32 [max_blocks]
     block_m: int
     n_pairs: int  # N * k: the padding sentinel
+    first_block: torch.Tensor  # int32 [E + 1]: expert e's blocks are [first_block[e], first_block[e + 1])
 
 
 def max_blocks(n_pairs: int, n_experts: int, block_m: int) -> int:
@@ -51,6 +55,7 @@ def moe_align(idx: torch.Tensor, n_experts: int, block_m: int, *, impl: str = "a
 
         al = moe_align(torch.tensor([[2, 0], [2, 3]]), n_experts=4, block_m=4)
         # al.sorted_ids == [1, 4, 4, 4,  0, 2, 4, 4,  3, 4, 4, 4,  4, 4, 4, 4, ...], block_expert == [0, 2, 3, -1, ...]
+        # al.first_block == [0, 1, 1, 2, 3]
     """
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
         got = f"{idx.dtype} {list(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
@@ -62,9 +67,9 @@ def moe_align(idx: torch.Tensor, n_experts: int, block_m: int, *, impl: str = "a
     impl = resolve_impl(impl, idx, _OP)
     if impl == "reference":
         return _reference_moe_align(idx, n_experts, block_m)
-    sorted_ids, block_expert = moe_align_triton(idx.contiguous(), n_experts, block_m,
-                                                max_blocks(idx.numel(), n_experts, block_m))
-    return MoEAlignment(sorted_ids, block_expert, block_m, idx.numel())
+    sorted_ids, block_expert, first_block = moe_align_triton(idx.contiguous(), n_experts, block_m,
+                                                             max_blocks(idx.numel(), n_experts, block_m))
+    return MoEAlignment(sorted_ids, block_expert, block_m, idx.numel(), first_block)
 
 
 def _reference_moe_align(idx: torch.Tensor, n_experts: int, block_m: int) -> MoEAlignment:
@@ -86,4 +91,6 @@ def _reference_moe_align(idx: torch.Tensor, n_experts: int, block_m: int) -> MoE
     sorted_ids[starts[experts] + rank] = order.to(torch.int32)
     used = int(padded.sum()) // block_m
     block_expert[:used] = torch.repeat_interleave(torch.arange(n_experts, device=dev), padded // block_m).int()
-    return MoEAlignment(sorted_ids, block_expert, block_m, n_pairs)
+    first_block = torch.zeros(n_experts + 1, dtype=torch.int32, device=dev)
+    first_block[1:] = torch.cumsum(padded // block_m, 0).int()
+    return MoEAlignment(sorted_ids, block_expert, block_m, n_pairs, first_block)

@@ -3,6 +3,8 @@
 ``y[t] = ((0 + out[t*k + j1]) + out[t*k + j2]) + ... + shared[t]`` with the slots j taken in ascending
 expert id, which is the order of the reference's ``index_add_`` loop over experts. Given equal expert
 outputs the combine is bit-identical to the reference, and a token's sum never depends on its batch.
+A slot whose id is ``SKIP`` (a pair routed to an expert this rank does not hold) is left out: its row of
+``out`` is never read.
 Grid (token tiles, D tiles); the slot order is found in registers (k <= 16).
 """
 
@@ -13,6 +15,7 @@ import triton
 import triton.language as tl
 
 BT, BD = 16, 256
+SKIP = 2147483647  # int32 max: the id of a slot to leave out (sorts last, like the padding of k to K_PAD)
 
 
 @triton.jit
@@ -34,14 +37,16 @@ def _moe_combine_kernel(
         b_low = tl.min(b_ids, axis=1)
         b_slot = tl.min(tl.where(b_ids == b_low[:, None], o_k[None, :], K_PAD), axis=1)  # lowest remaining expert
         b_ids = tl.where(o_k[None, :] == b_slot[:, None], 2147483647, b_ids)
-        b_y += tl.load(p_out + (o_row + b_slot)[:, None] * dim + o_d[None, :], mask=m, other=0.0)
+        m_slot = m & (b_low < 2147483647)[:, None]  # a skipped slot (or none left) adds nothing
+        b_y += tl.load(p_out + (o_row + b_slot)[:, None] * dim + o_d[None, :], mask=m_slot, other=0.0)
     if HAS_SHARED:
         b_y += tl.load(p_shared + o_t.to(tl.int64)[:, None] * dim + o_d[None, :], mask=m, other=0.0)
     tl.store(p_y + o_t.to(tl.int64)[:, None] * dim + o_d[None, :], b_y, mask=m)
 
 
 def moe_combine_triton(out: torch.Tensor, idx: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-    """``out fp32 [N * k, D]``, ``idx int32 [N, k]``, ``shared fp32 [N, D]`` or None -> ``y fp32 [N, D]``."""
+    """``out fp32 [N * k, D]``, ``idx int32 [N, k]`` (``SKIP``: leave the slot out), ``shared fp32 [N, D]`` or
+    None -> ``y fp32 [N, D]``."""
     n, k = idx.shape
     dim = out.shape[1]
     y = torch.empty((n, dim), dtype=torch.float32, device=out.device)

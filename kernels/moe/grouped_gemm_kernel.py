@@ -1,9 +1,23 @@
-"""Triton grouped expert GEMM: one launch per projection for the whole batch, weights read as stored.
+"""Triton grouped expert GEMM: one launch per projection, one program per (expert, N tile, K split).
 
-One kernel serves both projections (``GATED``: w1 + w3; else w2). Its M tiles are the routed experts'
-blocks from ``moe_align`` (BM pairs of one expert, MXFP4 weights), followed by the shared expert's tiles
-(BM tokens, FP8 e4m3 weights with 32 x 32 ue8m0 blocks), so the shared expert runs inside the same
-launch instead of as a small one after it (at batch 1 it alone would fill a quarter of an H200). The rows
+One kernel serves both projections (``GATED``: w1 + w3; else w2). A program owns one expert's BN weight
+rows over one K split and *all* of that expert's token tiles, so each weight byte is read from memory and
+decoded once per step whatever the batch (the previous design ran a program per 16-row tile and re-read
+an expert's weights once per tile):
+
+    grid (E + shared groups, N / BN, S)        program (g, n, s):
+        tiles = moe_align's blocks of expert g [first_block[g], first_block[g + 1])   (or MT shared tiles)
+        for each chunk of MT tiles:                       MT = ``sub_tiles``: 1 chunk at decode sizes
+            for each BK step of split s:
+                W = decode(weight bytes [BN rows, BK])                         once per step
+                acc_j += W @ A_j^T for each live tile j < MT            (A_j: BT = 16 token rows)
+            epilogue of each live tile (or its fp32 partial, S > 1)
+
+The weight tile is the MMA's left operand (swap-AB: BN weight rows x BT tokens), so the decoded weights
+stay in registers and only the small activation tile goes through shared memory. A tile j is computed
+only when the expert has it (``if`` on the live count), so a batch of one token pays one 16-column MMA
+per step, not MT. The M tiles are moe_align's 16-pair blocks of the routed experts followed by the shared
+expert's tiles of 16 tokens (FP8 weights with 32 x 32 ue8m0 blocks), which run in the same launch. The rows
 each tile reads and writes: ``moe/tile_kernel.py``.
 
     GATED:      a = A W1^T, b = A W3^T over K = D; act = fp8_qdq(r * (silu(min(a, L)) * clamp(b, -L, L)))
@@ -11,42 +25,42 @@ each tile reads and writes: ``moe/tile_kernel.py``.
     not GATED:  out = act W2^T over K = I, fp32, written to the pair's own row of [N * k (+ N), D]
                 (the shared expert's rows follow the pairs'), so no atomics are needed
 
-Grid (M tiles, N tiles, K splits); a routed tile whose block expert is -1 (unused) returns at once.
+Split-K (``MoEGemmConfig.split_k`` S, chosen per weight shape). Split s covers K steps [s * c, (s + 1) * c)
+with c = ceil(ceil(K / BK) / S) (whole BK steps, so whole 32-element scale blocks; trailing splits may be
+empty and write zeros), accumulates from zero and stores an fp32 partial to a workspace
+``[S, 1 or 2 (GATED: a and b), tile rows, N]``; ``moe/splitk_reduce_kernel.py`` then sums the partials in
+ascending split order (no atomics) and applies the epilogue. S = 1: no workspace, the epilogue here. The
+workspace covers at most ``WORKSPACE_BYTES``: a larger batch runs in windows of M tiles (a program only
+takes its tiles inside the window; a tile's instructions do not depend on the window, so neither do its bits).
 
-Split-K (``MoEGemmConfig.split_k`` S > 1). At decode sizes the grid has few M tiles, and each program
-walking all of K is a long serial chain of small loads. With S splits, split s covers K steps
-[s * c, (s + 1) * c) with c = ceil(ceil(K / BK) / S) (whole BK steps, so whole 32-element scale blocks;
-trailing splits may be empty and write zeros), accumulates its range from zero and stores an fp32
-partial to a workspace ``[S, 1 or 2 (GATED: a and b), tile rows, N]``; ``moe/splitk_reduce_kernel.py``
-then sums the partials in ascending split order (no atomics) and applies the epilogue above. S = 1 is
-the single pass: no workspace, the epilogue in this kernel. The workspace covers at most
-``WORKSPACE_BYTES``: a larger batch runs in windows of M tiles, each a GEMM launch and a reduce launch
-(a tile's instructions do not depend on its window, so neither do its bits).
+Numerics. Each K step loads BK contiguous activations and the matching weight bytes (BK / 2 of MXFP4, BK of
+FP8) and splits them into even and odd elements (the low and high nibbles: no interleave). The weights are
+decoded to bf16 *with their scale folded in*: e2m1 * 2^s and e4m3 * 2^s have at most 4 significant bits,
+so they are exact in bf16 (as are the fp8-quantised activations), every product of the bf16 tensor-core dot
+is exact, accumulated in fp32: the result differs from the fp32 reference only by summation order.
+Decoding: an e2m1 nibble is rewritten as the e4m3 code of value / 64 (``_e2m1_as_e4m3``), so both formats take
+the hardware e4m3 -> f16 conversion (two codes per instruction), then the scale (and 64 for e2m1) in fp32
+(exact: the kernels keep fp32 subnormals), then bf16: about 9 instructions per weight element, which with
+the MMA issue is what keeps the launch at ~4.5-8x its byte floor on an H100 (docs/perf/moe.json). Under
+TRITON_INTERPRET=1 operands stay fp32 (the interpreter has no bf16 dot) and the codes go through the bit
+decoder (its fp8 cast misreads NaN codes).
 
-Numerics. Each K step loads BK contiguous activations and the matching weight bytes (BK / 2 of MXFP4, BK
-of FP8) and splits them into even and odd elements (the low and high nibbles: no interleave). The weights
-are decoded in registers to bf16 *with their scale folded in*: e2m1 * 2^s and e4m3 * 2^s have at most 4
-significant bits, so they are exact in bf16 (as are the fp8-quantised activations), and every product in
-the bf16 tensor-core dot is exact, accumulated in fp32. The result differs from the fp32 reference only by
-summation order. Decoding: an e2m1 nibble is rewritten as the e4m3 code of value / 64 (``_e2m1_as_e4m3``),
-so both formats take the hardware e4m3 -> f16 conversion (two codes per instruction), then the scale (and
-64 for e2m1) in fp32 (exact: the kernels keep fp32 subnormals). The fp8 x fp8 alternative (e2m1 -> e4m3
-is lossless) would halve MMA time, but decode at batch <= 64 is bound by weight bytes, not MMA rate, and
-Hopper's fp8 MMA accumulates with ~14 bits (DeepSeek-V3 report §3.3.2), which would flip the FP8 rounding
-of the activation before w2 far more often. Under TRITON_INTERPRET=1 operands stay fp32 (the interpreter
-has no bf16 dot) and the codes go through the bit decoder (its fp8 cast misreads NaN codes).
+The fp8 x fp8 alternative (e2m1 -> e4m3 is lossless) would halve MMA time, but decode at batch <= 64 is bound
+by weight bytes, not MMA rate, and Hopper's fp8 MMA accumulates with ~14 bits (DeepSeek-V3 report §3.3.2),
+which would flip the FP8 rounding of the activation before w2 far more often.
 
-Latency. The raw bytes of step k + 1 are requested before step k is decoded (a register double buffer of
-a few dozen bytes per thread), so their latency overlaps step k's decode and dots instead of adding to it;
-the loads are 16-byte vectors (K is a multiple of 32, told to the compiler).
+Latency. The raw weight bytes of step k + 1 are requested before step k is decoded (a register double
+buffer), so their latency overlaps step k's decode and dots; the loads are 16-byte vectors (K is a
+multiple of 32, told to the compiler).
 
-The tile shape and S are constants of the kernel, never chosen from the batch: a pair's row is computed by
-the same instructions in a batch of 1 or 64, so the result is batch invariant bit for bit.
+Batch invariance. The launch shape (BN, BK, MT, warps) and S come from ``MoEGemmConfig`` looked up per
+weight shape (``moe/gemm_config.py``), never from the batch; the token tile is 16 rows always. A pair's row
+is therefore computed by the same instructions (same MMA shapes, same K order) in a batch of 1 or 64, in
+whichever tile or sub-tile slot it lands: its bits do not depend on the batch or on the other rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -60,56 +74,31 @@ from flashtier.kernels.moe.tile_kernel import _swiglu_qdq, _tile_rows
 
 WORKSPACE_BYTES = 128 << 20  # split-K partials per window: 64 decode tokens at S = 8 fit in one window
 MAX_SPLIT_K = 64
+TOKEN_TILE = 16  # rows per M tile (moe_align's block): the MMA's narrow side, never chosen from the batch
 
 
 @dataclass(frozen=True)
 class MoEGemmConfig:
-    """Launch shape of the grouped GEMM. The M tile (also ``moe_align``'s block size) only sets how many pairs
-    share a tile: each pair's row is summed over K in the same steps whatever the tile width, so
-    ``default_config`` may pick it from the batch. The K step and the K splits are the reduction order: fixed."""
+    """Launch shape of one projection's grouped GEMM, chosen per weight shape (``moe/gemm_config.py``), never
+    per batch. ``split_k`` and ``block_k`` are the reduction order; the rest only move work between programs."""
 
-    block_m: int = 16  # pairs per tile: decode batches put a few pairs on each expert
-    block_n: int = 32  # output columns per program (a multiple of 32: whole FP8 blocks of the activation)
-    block_k: int = 64  # K elements per step: one 32-byte sector of each MXFP4 weight row
-    # Chosen by benchmarks/moe_bench.py --sweep on the H200 (flash-16e layer, CUDA-graph us at 1 / 8 / 64 tokens,
-    # docs/perf/moe.json "sweep"): n32 w4 s4 880 / 1389 / 3301 against 1272 / 1716 / 3410 for the earlier
-    # n64 w8 s4, the fastest at 1 and 8 tokens and within 4% of the best at 64. More programs of fewer warps
-    # hide more of the per-step load latency at decode sizes; the kernel stays ~25x its byte floor at 1 token.
+    block_n: int = 64  # weight rows per program (the MMA's M side: 64 per warpgroup)
+    block_k: int = 64  # K elements per step: 32 bytes of each MXFP4 weight row
+    sub_tiles: int = 4  # token tiles per chunk sharing each decoded weight step (4 x 16 = 64 pairs of an expert)
     num_warps: int = 4
-    num_stages: int = 4
-    # K splits of the w1/w3 launch (K = D) and of the w2 launch (K = I; None: the same). 1 until the sweep
-    # (benchmarks/moe_bench.py --sweep: 1 / 2 / 4 / 8 / 16) says otherwise: at one token the w1/w3 launch has
-    # ~4 programs per SM and ~100 registers per thread allow 4-5, so splits add waves more than programs in
-    # flight, and at 8+ tokens every SM already runs several waves.
-    split_k: int = 1
-    split_k_w2: int | None = None
+    num_stages: int = 2
+    split_k: int = 1  # K splits (each split a program): parallelism at decode sizes
 
     def __post_init__(self) -> None:
-        pow2 = lambda v: isinstance(v, int) and v > 0 and not v & (v - 1)  # noqa: E731
-        if not (pow2(self.block_m) and self.block_m >= 16 and pow2(self.block_n) and self.block_n >= 32
-                and pow2(self.block_k) and self.block_k >= 64):
-            raise ValueError(f"MoEGemmConfig: block_m >= 16, block_n >= 32, block_k >= 64, powers of two; got {self}")
-        for name in ("split_k", "split_k_w2"):
-            v = getattr(self, name)
-            if not (v is None and name == "split_k_w2") and (isinstance(v, bool) or not isinstance(v, int)
-                                                             or not 1 <= v <= MAX_SPLIT_K):
-                raise ValueError(f"MoEGemmConfig: {name} must be an int in [1, {MAX_SPLIT_K}], got {v!r}")
-
-    def splits(self, gated: bool) -> int:
-        """K splits of the gated (w1/w3) or the w2 launch."""
-        return self.split_k if gated or self.split_k_w2 is None else self.split_k_w2
-
-
-DEFAULT_CONFIG = MoEGemmConfig()
-WIDE_TILE = dataclasses.replace(DEFAULT_CONFIG, block_m=32)
-
-
-def default_config(n_tokens: int, top_k: int, n_experts: int) -> MoEGemmConfig:
-    """block_m 32 once the experts get >= 16 pairs each on average, else 16: fewer tiles decode each expert's
-    weights fewer times (flash-16e, 64 decode rows, 24 pairs per expert: 70.6 vs 75.6 ms per step on the H200;
-    8 rows: within 0.4%). Batch invariance holds across the switch (tests/kernels/test_moe_grouped_gemm.py
-    ``test_real_geometry_gpu``, tests/engine/test_batch_invariance_gpu.py)."""
-    return WIDE_TILE if n_tokens * top_k >= 16 * n_experts else DEFAULT_CONFIG
+        pow2 = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0 and not v & (v - 1)  # noqa: E731
+        if not (pow2(self.block_n) and self.block_n >= 16 and pow2(self.block_k) and self.block_k >= 64):
+            raise ValueError(f"MoEGemmConfig: block_n >= 16, block_k >= 64, powers of two; got {self}")
+        if self.sub_tiles not in (1, 2, 4) or isinstance(self.sub_tiles, bool):
+            raise ValueError(f"MoEGemmConfig: sub_tiles must be 1, 2 or 4, got {self.sub_tiles!r}")
+        if not pow2(self.num_warps) or not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
+            raise ValueError(f"MoEGemmConfig: num_warps a power of two, num_stages in [1, 8]; got {self}")
+        if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"MoEGemmConfig: split_k must be an int in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
 
 
 @triton.jit
@@ -152,44 +141,99 @@ def _decode_weights(b_w, b_s, FP8_W: tl.constexpr, BK: tl.constexpr, DT: tl.cons
     HALF: tl.constexpr = BK // 2
     NS: tl.constexpr = BK // 32
     # one scale per 16 even (odd) elements: repeat each 16 times in registers
-    b_s = _e8m0_to_f32(b_s.to(tl.int32))
-    b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BN, NS, 16)), (BN, HALF))
+    b_sf = _e8m0_to_f32(b_s.to(tl.int32))
+    b_sf = tl.reshape(tl.broadcast_to(b_sf[:, :, None], (BN, NS, 16)), (BN, HALF))
     if FP8_W:
         b_ce, b_co = tl.split(tl.reshape(b_w, (BN, HALF, 2)))
     else:  # e2m1 -> the e4m3 code of value / 64 (exact: 2 exponent bits, 1 mantissa bit)
         b_ce = _e2m1_as_e4m3(b_w)
         b_co = _e2m1_as_e4m3(b_w >> 4)
     if DT == tl.float32:  # interpreted: the bit decoder (the interpreter's fp8 cast misreads NaN codes)
-        b_even = _e4m3_to_f32(b_ce.to(tl.int32))
-        b_odd = _e4m3_to_f32(b_co.to(tl.int32))
+        b_ef = _e4m3_to_f32(b_ce.to(tl.int32))
+        b_of = _e4m3_to_f32(b_co.to(tl.int32))
     else:  # the hardware conversion, two codes per instruction
-        b_even = b_ce.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b_odd = b_co.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    b_even = b_even * b_s
-    b_odd = b_odd * b_s
+        b_ef = b_ce.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b_of = b_co.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    b_ef = b_ef * b_sf
+    b_of = b_of * b_sf
     if not FP8_W:  # value / 64 * 2^s is exact (>= 2^-134, fp32 subnormals reach 2^-149); then * 64
-        b_even = b_even * 64.0
-        b_odd = b_odd * 64.0
-    return b_even.to(DT), b_odd.to(DT)
+        b_ef = b_ef * 64.0
+        b_of = b_of * 64.0
+    b_even = b_ef.to(DT)
+    b_odd = b_of.to(DT)
+    return b_even, b_odd
 
 
 @triton.jit
-def _load_act(p_arow, m_r, k0, K, live, BK: tl.constexpr):
-    """Activations [BM, BK] at K columns [k0, k0 + BK) in their stored dtype (zeros when ``live`` is false)."""
-    o_k = k0 + tl.arange(0, BK)
-    return tl.load(p_arow + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :] & live, other=0.0)
-
-
-@triton.jit
-def _gemm_tile(
-    p_arow, m_r, p_wq, p_ws, base_q, base_s, o_n, m_n, w3_rows, K, i_k,
-    GATED: tl.constexpr, FP8_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DT: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    """``A W^T`` over K split ``i_k`` for BM activation rows (``p_arow`` [BM, 1] row pointers) and weight rows
-    ``o_n``; when GATED also for the w3 rows ``w3_rows`` below them: ``(acc, acc3)`` fp32 [BM, BN]."""
-    K = tl.multiple_of(K, 32)  # checked by the caller (whole scale blocks): lets the loads be 16-byte vectors
+def _mma_tile(p_a, o_a, m_r, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_acc, b_acc3,
+              GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """One K step of one token tile: ``acc += W A^T`` (and ``acc3 += W3 A^T`` when GATED), fp32 [BN, BT]; the
+    activations ``A`` [BT, BK] are the rows ``o_a`` (``m_r``: real) at K columns [k0, k0 + BK), loaded already
+    transposed and split into even and odd columns (strided loads of a small tile that L2 holds)."""
     HALF: tl.constexpr = BK // 2
+    o_k = k0 + 2 * tl.arange(0, HALF)
+    p_col = p_a + o_a.to(tl.int64)[None, :] * stride_a + o_k[:, None]
+    m = m_r[None, :] & (o_k < K)[:, None]
+    b_ae = tl.load(p_col, mask=m, other=0.0).to(DT)
+    b_ao = tl.load(p_col + 1, mask=m, other=0.0).to(DT)
+    b_acc = tl.dot(b_we, b_ae, b_acc)
+    b_acc = tl.dot(b_wo, b_ao, b_acc)
+    if GATED:
+        b_acc3 = tl.dot(b_we3, b_ae, b_acc3)
+        b_acc3 = tl.dot(b_wo3, b_ao, b_acc3)
+    return b_acc, b_acc3
+
+
+@triton.jit
+def _store_tile(b_acc, b_acc3, i_m, o_out, m_r, b_rw, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps,
+                stride_ph, stride_pr, i_k, limit, GATED: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                SPLIT_K: tl.constexpr):
+    """Epilogue of tile ``i_m`` from its fp32 [BN, BT] sums (S = 1), or its partial into the window's workspace."""
+    b_acc = tl.trans(b_acc)
+    m_out = m_r[:, None] & m_n[None, :]
+    if SPLIT_K == 1:
+        p_orow = p_out + o_out.to(tl.int64)[:, None] * stride_out + o_n[None, :]
+        if GATED:
+            tl.store(p_orow, _swiglu_qdq(b_acc, tl.trans(b_acc3), b_rw, limit, BT, BN), mask=m_out)
+        else:
+            tl.store(p_orow, b_acc, mask=m_out)
+    else:  # this split's partial sums, at the tile's rows of this window's workspace
+        o_w = (i_m - m_lo) * BT + tl.arange(0, BT)
+        p_prow = p_part + i_k * stride_ps + o_w.to(tl.int64)[:, None] * stride_pr + o_n[None, :]
+        tl.store(p_prow, b_acc, mask=m_out)
+        if GATED:
+            tl.store(p_prow + stride_ph, tl.trans(b_acc3), mask=m_out)
+
+
+@triton.jit
+def _chunk(
+    c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, base_q, base_s, p_out, p_part,
+    n_pairs, n_tok, top_k, n_rblocks, m_lo, K, N, stride_a, stride_out, stride_ps, stride_ph, stride_pr, limit,
+    GATED: tl.constexpr, FP8_W: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    MT: tl.constexpr, DT: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Tiles [c0, min(c0 + MT, t1)) of one expert (routed: MXFP4 at ``base_q`` / ``base_s``; shared: FP8) over
+    split ``i_k``: each weight step is loaded and decoded once and multiplied into every live tile."""
+    K = tl.multiple_of(K, 32)  # checked by the caller (whole scale blocks): lets the loads be 16-byte vectors
+    n_live = t1 - c0
+    m_n = o_n < N
+    w3_rows = N  # GATED: the w3 rows follow the N w1 rows
+    _, o_a0, o_out0, m_r0, b_rw0 = _tile_rows(c0, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k, n_rblocks,
+                                             GATED, BT)
+    o_a1, o_out1, m_r1, b_rw1 = o_a0, o_out0, m_r0, b_rw0
+    o_a2, o_out2, m_r2, b_rw2 = o_a0, o_out0, m_r0, b_rw0
+    o_a3, o_out3, m_r3, b_rw3 = o_a0, o_out0, m_r0, b_rw0
+    if MT > 1:
+        _, o_a1, o_out1, m_r1, b_rw1 = _tile_rows(c0 + 1, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
+                                                 n_rblocks, GATED, BT)
+        m_r1 = m_r1 & (n_live > 1)
+    if MT > 2:
+        _, o_a2, o_out2, m_r2, b_rw2 = _tile_rows(c0 + 2, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
+                                                 n_rblocks, GATED, BT)
+        _, o_a3, o_out3, m_r3, b_rw3 = _tile_rows(c0 + 3, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
+                                                 n_rblocks, GATED, BT)
+        m_r2 = m_r2 & (n_live > 2)
+        m_r3 = m_r3 & (n_live > 3)
     if SPLIT_K == 1:
         k_lo = 0
         k_hi = K
@@ -197,10 +241,10 @@ def _gemm_tile(
         k_len = tl.cdiv(tl.cdiv(K, BK), SPLIT_K) * BK
         k_lo = i_k * k_len
         k_hi = tl.minimum(k_lo + k_len, K)
-    b_acc = tl.zeros((BM, BN), dtype=tl.float32)
-    b_acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+    b_a0 = tl.zeros((BN, BT), dtype=tl.float32)
+    b_b0 = tl.zeros((BN, BT), dtype=tl.float32)
+    b_a1, b_b1, b_a2, b_b2, b_a3, b_b3 = b_a0, b_b0, b_a0, b_b0, b_a0, b_b0
     live = k_lo < k_hi
-    b_a = _load_act(p_arow, m_r, k_lo, K, live, BK)
     b_w, b_s = _load_weights(p_wq, p_ws, base_q, base_s, o_n, m_n, k_lo, K, live, FP8_W, BK)
     b_w3, b_s3 = b_w, b_s
     if GATED:
@@ -208,69 +252,79 @@ def _gemm_tile(
     for k0 in range(k_lo, k_hi, BK):
         # step k0 + BK's bytes are requested before step k0 is decoded: their latency hides behind the work
         live = k0 + BK < k_hi
-        b_a_nxt = _load_act(p_arow, m_r, k0 + BK, K, live, BK)
         b_w_nxt, b_s_nxt = _load_weights(p_wq, p_ws, base_q, base_s, o_n, m_n, k0 + BK, K, live, FP8_W, BK)
         b_w3_nxt, b_s3_nxt = b_w_nxt, b_s_nxt
         if GATED:
             b_w3_nxt, b_s3_nxt = _load_weights(p_wq, p_ws, base_q, base_s, o_n + w3_rows, m_n, k0 + BK, K, live,
                                                FP8_W, BK)
-        b_ae, b_ao = tl.split(tl.reshape(b_a, (BM, HALF, 2)))
-        b_ae, b_ao = b_ae.to(DT), b_ao.to(DT)
         b_we, b_wo = _decode_weights(b_w, b_s, FP8_W, BK, DT)
-        b_acc = tl.dot(b_ae, tl.trans(b_we), b_acc)
-        b_acc = tl.dot(b_ao, tl.trans(b_wo), b_acc)
+        b_we3, b_wo3 = b_we, b_wo
         if GATED:
-            b_we, b_wo = _decode_weights(b_w3, b_s3, FP8_W, BK, DT)
-            b_acc3 = tl.dot(b_ae, tl.trans(b_we), b_acc3)
-            b_acc3 = tl.dot(b_ao, tl.trans(b_wo), b_acc3)
-        b_a, b_w, b_s, b_w3, b_s3 = b_a_nxt, b_w_nxt, b_s_nxt, b_w3_nxt, b_s3_nxt
-    return b_acc, b_acc3
+            b_we3, b_wo3 = _decode_weights(b_w3, b_s3, FP8_W, BK, DT)
+        b_a0, b_b0 = _mma_tile(p_a, o_a0, m_r0, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a0, b_b0, GATED, BT, BK,
+                               DT)
+        if MT > 1:
+            if n_live > 1:
+                b_a1, b_b1 = _mma_tile(p_a, o_a1, m_r1, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a1, b_b1, GATED,
+                                       BT, BK, DT)
+        if MT > 2:
+            if n_live > 2:
+                b_a2, b_b2 = _mma_tile(p_a, o_a2, m_r2, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a2, b_b2, GATED,
+                                       BT, BK, DT)
+            if n_live > 3:
+                b_a3, b_b3 = _mma_tile(p_a, o_a3, m_r3, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a3, b_b3, GATED,
+                                       BT, BK, DT)
+        b_w, b_s, b_w3, b_s3 = b_w_nxt, b_s_nxt, b_w3_nxt, b_s3_nxt
+    m_n = o_n < N
+    _store_tile(b_a0, b_b0, c0, o_out0, m_r0, b_rw0, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps, stride_ph,
+                stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
+    if MT > 1:
+        if n_live > 1:
+            _store_tile(b_a1, b_b1, c0 + 1, o_out1, m_r1, b_rw1, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps,
+                        stride_ph, stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
+    if MT > 2:
+        if n_live > 2:
+            _store_tile(b_a2, b_b2, c0 + 2, o_out2, m_r2, b_rw2, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps,
+                        stride_ph, stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
+        if n_live > 3:
+            _store_tile(b_a3, b_b3, c0 + 3, o_out3, m_r3, b_rw3, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps,
+                        stride_ph, stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
 
 
 @triton.jit
 def _moe_gemm_kernel(
-    p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, p_sq, p_ss, p_out, p_part,
-    n_pairs, n_tok, top_k, n_rblocks, m_base, K_R, K_S, N_R, N_S, stride_a, stride_out,
+    p_a, p_ids, p_block_expert, p_first, p_rw, p_wq, p_ws, p_sq, p_ss, p_out, p_part,
+    n_pairs, n_tok, top_k, n_exp, n_rblocks, n_m, m_lo, m_hi, K_R, K_S, N_R, N_S, stride_a, stride_out,
     stride_ps, stride_ph, stride_pr, limit,
-    GATED: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr, UPCAST: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    MT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    # Traffic per program: BN (x2 when GATED) weight rows of K / SPLIT_K elements, BM activation rows of as many.
-    # M tiles [0, n_rblocks): BM pairs of one routed expert (moe_align's blocks), MXFP4 weights.
-    # M tiles [n_rblocks, ...): BM tokens of the shared expert, FP8 weights.
-    i_m, i_n, i_k = m_base + tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Traffic per program: BN (x2 when GATED) weight rows of K / SPLIT_K elements, read once; each live tile's
+    # BT activation rows of as many (L2 hits after the first N tile).
+    # Groups [0, n_exp): routed expert g, its moe_align blocks. Groups [n_exp, ...): MT shared-expert tiles each.
+    g, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
-    e, o_a, o_out, m_r, b_rw = _tile_rows(i_m, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k, n_rblocks,
-                                          GATED, BM)
-    if e < 0:  # a block no expert uses
-        return
-    o_n = i_n * BN + tl.arange(0, BN)
-    p_arow = p_a + o_a.to(tl.int64)[:, None] * stride_a
-    if i_m < n_rblocks:
-        m_n = o_n < N_R
-        n_w = 2 * N_R if GATED else N_R  # w1 and w3 are 2 * N_R rows per expert
-        e64 = e.to(tl.int64)
-        b_acc, b_acc3 = _gemm_tile(
-            p_arow, m_r, p_wq, p_ws, e64 * n_w * (K_R // 2), e64 * n_w * (K_R // 32), o_n, m_n, N_R, K_R, i_k,
-            GATED, False, BM, BN, BK, DT, SPLIT_K,
-        )
+    if g < n_exp:
+        t0 = tl.load(p_first + g)
+        t1 = tl.load(p_first + g + 1)
     else:
-        m_n = o_n < N_S
-        b_acc, b_acc3 = _gemm_tile(p_arow, m_r, p_sq, p_ss, 0, 0, o_n, m_n, N_S, K_S, i_k, GATED, True, BM, BN, BK,
-                                   DT, SPLIT_K)
-    m_out = m_r[:, None] & m_n[None, :]
-    if SPLIT_K == 1:
-        p_orow = p_out + o_out.to(tl.int64)[:, None] * stride_out + o_n[None, :]
-        if GATED:
-            tl.store(p_orow, _swiglu_qdq(b_acc, b_acc3, b_rw, limit, BM, BN), mask=m_out)
+        t0 = n_rblocks + (g - n_exp) * MT
+        t1 = tl.minimum(t0 + MT, n_m)
+    t0 = tl.maximum(t0, m_lo)  # this window's tiles only
+    t1 = tl.minimum(t1, m_hi)
+    o_n = i_n * BN + tl.arange(0, BN)
+    for c0 in range(t0, t1, MT):
+        if g < n_exp:
+            n_w = 2 * N_R if GATED else N_R  # w1 and w3 are 2 * N_R rows per expert
+            e64 = g.to(tl.int64)
+            _chunk(c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, e64 * n_w * (K_R // 2),
+                   e64 * n_w * (K_R // 32), p_out, p_part, n_pairs, n_tok, top_k, n_rblocks, m_lo, K_R, N_R,
+                   stride_a, stride_out, stride_ps, stride_ph, stride_pr, limit,
+                   GATED, False, BT, BN, BK, MT, DT, SPLIT_K)
         else:
-            tl.store(p_orow, b_acc, mask=m_out)
-    else:  # this split's partial sums, at the tile's rows of this window's workspace
-        o_w = (i_m - m_base) * BM + tl.arange(0, BM)
-        p_prow = p_part + i_k * stride_ps + o_w.to(tl.int64)[:, None] * stride_pr + o_n[None, :]
-        tl.store(p_prow, b_acc, mask=m_out)
-        if GATED:
-            tl.store(p_prow + stride_ph, b_acc3, mask=m_out)
+            _chunk(c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_sq, p_ss, 0, 0, p_out, p_part, n_pairs,
+                   n_tok, top_k, n_rblocks, m_lo, K_S, N_S, stride_a, stride_out, stride_ps, stride_ph, stride_pr,
+                   limit, GATED, True, BT, BN, BK, MT, DT, SPLIT_K)
 
 
 def _upcast() -> bool:
@@ -280,45 +334,47 @@ def _upcast() -> bool:
 def launch_moe_gemm(
     a: torch.Tensor, out: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor],
     shared: tuple[torch.Tensor, torch.Tensor] | None, *, gated: bool, ids: torch.Tensor,
-    block_expert: torch.Tensor, n_tok: int, top_k: int, k_r: int, k_s: int, n_r: int, n_s: int,
-    route_w: torch.Tensor | None = None, limit: float = 0.0, config: MoEGemmConfig = DEFAULT_CONFIG,
+    block_expert: torch.Tensor, first_block: torch.Tensor, n_tok: int, top_k: int, k_r: int, k_s: int, n_r: int,
+    n_s: int, route_w: torch.Tensor | None = None, limit: float = 0.0, config: MoEGemmConfig = MoEGemmConfig(),
 ) -> torch.Tensor:
     """Run one projection, routed experts and shared expert together, into ``out`` (mutated); return it.
 
-    ``a``: gated, the quantised tokens ``[n_tok, D]`` fp32; else the activation buffer the gated launch wrote.
-    ``routed`` / ``shared``: (codes, scales) of the projection (MXFP4 stack / FP8 matrix, or None).
-    ``ids`` / ``block_expert``: ``moe_align`` with ``config.block_m``. ``k_*`` / ``n_*``: reduction length and
-    output width of the routed (r) and shared (s) weights, multiples of 32. ``out``: gated, bf16
-    ``[M tiles * block_m, >= max(n_r, n_s)]``; else fp32 ``[n_pairs (+ n_tok with shared), n_r]``. With
-    ``config.splits(gated) > 1`` a workspace of at most ``WORKSPACE_BYTES`` is allocated here and freed after.
+    ``a``: gated, the quantised tokens ``[n_tok, D]`` (bf16 or fp32); else the activation buffer the gated launch
+    wrote. ``routed`` / ``shared``: (codes, scales) of the projection (MXFP4 stack / FP8 matrix, or None).
+    ``ids`` / ``block_expert`` / ``first_block``: ``moe_align`` with block_m = ``TOKEN_TILE``. ``k_*`` / ``n_*``:
+    reduction length and output width of the routed (r) and shared (s) weights, multiples of 32. ``out``: gated,
+    bf16 ``[M tiles * TOKEN_TILE, >= max(n_r, n_s)]``; else fp32 ``[n_pairs (+ n_tok with shared), n_r]``. With
+    ``config.split_k > 1`` a workspace of at most ``WORKSPACE_BYTES`` is allocated here and freed after.
     """
-    bm, splits = config.block_m, config.splits(gated)
+    bt, mt, splits = TOKEN_TILE, config.sub_tiles, config.split_k
     n_rblocks = block_expert.numel()
-    n_m = n_rblocks + (triton.cdiv(n_tok, bm) if shared is not None else 0)
-    if n_m == 0:
+    n_exp = first_block.numel() - 1
+    n_stiles = triton.cdiv(n_tok, bt) if shared is not None else 0
+    n_m = n_rblocks + n_stiles
+    if n_m == 0 or n_tok == 0:
         return out
     sq, ss = shared if shared is not None else routed  # never read without shared tiles
     width = max(n_r, n_s)
-    grid_n = triton.cdiv(width, config.block_n)
-    rows = (a, ids, block_expert, out if route_w is None else route_w)
-    sizes = (top_k * n_tok, n_tok, top_k, n_rblocks)
-    consts = dict(GATED=gated, UPCAST=_upcast(), BM=bm, BN=config.block_n, BK=config.block_k,
+    grid = (n_exp + triton.cdiv(n_stiles, mt), triton.cdiv(width, config.block_n), splits)
+    rows = (a, ids, block_expert, first_block, out if route_w is None else route_w)
+    sizes = (top_k * n_tok, n_tok, top_k, n_exp, n_rblocks, n_m)
+    consts = dict(GATED=gated, UPCAST=_upcast(), BT=bt, BN=config.block_n, BK=config.block_k, MT=mt,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     if splits == 1:
-        _moe_gemm_kernel[(n_m, grid_n, 1)](
-            *rows, routed[0], routed[1], sq, ss, out, out, *sizes, 0, k_r, k_s, n_r, n_s, a.stride(0), out.stride(0),
-            0, 0, 0, float(limit), SPLIT_K=1, **consts,
+        _moe_gemm_kernel[grid](
+            *rows, routed[0], routed[1], sq, ss, out, out, *sizes, 0, n_m, k_r, k_s, n_r, n_s, a.stride(0),
+            out.stride(0), 0, 0, 0, float(limit), SPLIT_K=1, **consts,
         )
         return out
     halves = 2 if gated else 1
-    window = max(1, min(n_m, WORKSPACE_BYTES // (splits * halves * bm * width * 4)))
-    part = torch.empty((splits, halves, window * bm, width), dtype=torch.float32, device=a.device)
+    window = max(1, min(n_m, WORKSPACE_BYTES // (splits * halves * bt * width * 4)))
+    part = torch.empty((splits, halves, window * bt, width), dtype=torch.float32, device=a.device)
     for m0 in range(0, n_m, window):
         n_win = min(window, n_m - m0)
-        _moe_gemm_kernel[(n_win, grid_n, splits)](
-            *rows, routed[0], routed[1], sq, ss, out, part, *sizes, m0, k_r, k_s, n_r, n_s, a.stride(0),
+        _moe_gemm_kernel[grid](
+            *rows, routed[0], routed[1], sq, ss, out, part, *sizes, m0, m0 + n_win, k_r, k_s, n_r, n_s, a.stride(0),
             out.stride(0), part.stride(0), part.stride(1), part.stride(2), float(limit), SPLIT_K=splits, **consts,
         )
-        launch_splitk_reduce(part, out, *rows[1:], *sizes, m0, n_win, n_r, n_s, float(limit), gated=gated,
-                             block_m=bm, splits=splits)
+        launch_splitk_reduce(part, out, ids, block_expert, rows[-1], top_k * n_tok, n_tok, top_k, n_rblocks, m0,
+                             n_win, n_r, n_s, float(limit), gated=gated, block_m=bt, splits=splits)
     return out

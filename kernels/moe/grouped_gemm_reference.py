@@ -69,12 +69,15 @@ def moe_ffn_reference(
 ) -> torch.Tensor:
     """Routed experts plus the shared expert for ``x [N, D]``: ``y [N, D]`` (fp32, float64 for float64 x).
 
-    ``expert_weights(e)`` gives expert e's dense weights; only the experts in ``idx`` are asked for. The loop
+    ``expert_weights(e)`` gives expert e's dense weights; only the experts in ``idx`` are asked for. A negative
+    id is a pair routed to an expert held elsewhere (expert parallelism): it contributes nothing. The loop
     reads the chosen experts back to the host: this is the spec, not a device path.
     """
     xq = act_qdq(_up(x))
     y = torch.zeros_like(xq)
     for e in torch.unique(idx).tolist():  # ascending: the combine order of the device path
+        if e < 0:
+            continue
         rows, slot = torch.nonzero(idx == e, as_tuple=True)
         y.index_add_(0, rows, expert_ffn_reference(xq[rows], expert_weights(e), route_w[rows, slot], limit))
     if shared is not None:
@@ -103,10 +106,24 @@ def moe_grouped_ffn_reference(
     experts: MXFP4Experts,
     shared: FP8Expert | None,
     limit: float,
+    expert_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`moe_ffn_reference` over the stored formats (each chosen expert decoded when it is needed)."""
-    dense_shared = None if shared is None else dense_fp8_expert(shared)
-    return moe_ffn_reference(x, idx, route_w, lambda e: dense_mxfp4_expert(experts, e), dense_shared, limit)
+    """:func:`moe_ffn_reference` over the stored formats (each chosen expert decoded when it is needed).
+
+    ``expert_ids``: the global ids of the stack's experts (None: 0 .. E-1); pairs routed to other experts
+    contribute nothing, and the held ones are still summed in ascending global id.
+    """
+    def as_x(w: DenseExpert) -> DenseExpert:  # float64 x (the oracle mode): the exact weights in float64
+        return tuple(t.to(torch.float64) for t in w) if x.dtype == torch.float64 else w
+
+    dense_shared = None if shared is None else as_x(dense_fp8_expert(shared))
+    if expert_ids is None:
+        return moe_ffn_reference(x, idx, route_w, lambda e: as_x(dense_mxfp4_expert(experts, e)), dense_shared, limit)
+    local = {g: j for j, g in enumerate(expert_ids.tolist())}
+    held = torch.tensor(sorted(local), dtype=idx.dtype, device=idx.device)
+    idx = torch.where(torch.isin(idx, held), idx, torch.full_like(idx, -1))
+    return moe_ffn_reference(x, idx, route_w, lambda e: as_x(dense_mxfp4_expert(experts, local[e])), dense_shared,
+                             limit)
 
 
 def combine_reference(out: torch.Tensor, idx: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:

@@ -13,6 +13,8 @@ warnings for what it can run with, degraded::
                             KV_DIR/SERVER.LOCK, kv_dir_lock.py: the line names its pid) nor locked by
                             another store (the same non-blocking flock SSDStore takes on KV_DIR/LOCK,
                             released at once)
+    memory plan             every rank's GPU and the host hold the plan (plan_check.py: weights, KV pool, graphs,
+                            activations, the Engram tables); the line names the flag to change first
     --redis-url             warning when nothing accepts a connection there (snapshots miss, serving goes on)
     --cache-isolation       warning for per-key without --api-key (every request is then one tenant)
 
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING
 from flashtier.kvstore.config import KVStoreConfig, ssd_budget_bytes_for
 from flashtier.kvstore.ssd.store import make_private_dir
 from flashtier.server.config.kv_dir_lock import KVDirInUse, held_by
+from flashtier.server.config.plan_check import check_memory_plan
 from flashtier.server.config.settings import ServerSettings
 from flashtier.server.config.options import format_size
 
@@ -68,6 +71,7 @@ def preflight(settings: ServerSettings) -> list[str]:
     if kv.ssd_dir is not None:
         check_kv_dir(kv.ssd_dir)  # first: the record size needs the engine's KV accounting (seconds of imports)
         check_segment_fits(cfg, kv)
+    check_memory_plan(settings)  # last: it reads the checkpoint's headers and imports the engine (seconds)
     warnings = []
     if kv.ssd_dir is not None:
         warning = disk_budget_warning(kv.ssd_dir, kv.ssd_budget_bytes)

@@ -16,7 +16,8 @@ from typing import Any
 from flashtier.engine.config import RESUME_POLICIES
 from flashtier.kvstore.config import GiB, MIN_SSD_BUDGET_BYTES
 
-__all__ = ["CACHE_ISOLATION_MODES", "ENV_PREFIX", "OPTIONS", "Option", "default_cache_dir", "format_size"]
+__all__ = ["CACHE_ISOLATION_MODES", "ENV_PREFIX", "OPTIONS", "Option", "default_cache_dir", "format_size",
+           "parse_size"]
 
 ENV_PREFIX = "FLASHTIER_"
 CACHE_ISOLATION_MODES = ("shared", "per-key")
@@ -196,6 +197,9 @@ def _size(text: str) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
+parse_size = _size  # for the commands beside serve that take a size (``flashtier plan --gpu-memory``)
+
+
 def format_size(n: int) -> str:
     """``n`` bytes in the largest binary unit that keeps it whole, as --kv-disk-budget accepts it: 1M, 56K."""
     for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
@@ -324,6 +328,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("expert_parallel", "--expert-parallel", _parse_bool, False, "with --tensor-parallel-size N: split the "
            "routed experts over the N ranks (all-to-all) instead of splitting every expert's width",
            kind="bool", aliases=("--enable-expert-parallel",)),
+    Option("engine_step_timeout_s", "--engine-step-timeout", _duration, 900.0, "a step of the engine core taking "
+           "longer than this ends it: /health turns 503 and in-flight requests fail with a 503 (the first steps "
+           "may compile kernels; 300, 5m, 1h)"),
+    Option("distributed_timeout_s", "--distributed-timeout", _duration, 600.0, "with --tensor-parallel-size N: "
+           "a collective waiting longer for a peer rank raises, and the engine ends (torch.distributed's "
+           "process-group timeout)"),
     Option("data_parallel_size", "--data-parallel-size", _data_parallel_size, 1, "vLLM's flag; only 1 (data "
            "parallel serving is not implemented)", aliases=("-dp",)),
     Option("trust_remote_code", "--trust-remote-code", _parse_bool, False, "vLLM's flag, accepted with no "
@@ -336,6 +346,10 @@ OPTIONS: tuple[Option, ...] = (
            aliases=("--speculative-config",)),
     Option("speculative_min_confidence", "--speculative-min-confidence", _confidence, 0.1, "verify a draft only "
            "while the drafter's confidence that it and every draft before it are accepted stays >= this"),
+    Option("speculative_adaptive", "--speculative-adaptive", _parse_bool, True, "with --speculative N: pick each "
+           "step's draft length (0 = none) up to N from measured step times and acceptance, so that speculation "
+           "runs only where it raises the tokens per second; --no-speculative-adaptive verifies up to N drafts "
+           "in every step", kind="bool"),
     Option("enforce_eager", "--enforce-eager", _parse_bool, False, "run every step eagerly (no CUDA graphs for "
            "the decoder part of decode steps)", kind="bool"),
     Option("warmup", "--warmup", _parse_bool, None, "before /health reports ready, run throwaway batches at every "

@@ -99,11 +99,14 @@ class ServerSettings:
     weights_seed: int = 0
     speculative: int = 0  # drafts verified per step (0: off), --speculative / --speculative-config
     speculative_min_confidence: float = 0.1
+    speculative_adaptive: bool = True  # the goodput controller picks each step's draft length (engine/spec/controller.py)
     enforce_eager: bool = False  # no CUDA graphs (vLLM's --enforce-eager)
     warmup: bool | None = None  # None: on with CUDA unless TRITON_INTERPRET (engine_config)
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: the engine's CAPTURE_SIZES up to max_num_seqs
     tensor_parallel_size: int = 1  # > 1: one rank process each (engine/parallel/executor.py), tiers off
     expert_parallel: bool = False
+    engine_step_timeout_s: float = 900.0  # a longer engine step ends the engine (EngineCoreClient)
+    distributed_timeout_s: float = 600.0  # torch.distributed's process-group timeout (TP > 1)
     response_store_ttl_s: float = 24 * 3600.0  # --response-store-ttl (server/response_store/store.py)
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     cache_dir: str = field(default_factory=default_cache_dir)
@@ -184,6 +187,7 @@ class ServerSettings:
             resume_policy=self.resume_policy,
             speculative_tokens=self.speculative,
             speculative_min_confidence=self.speculative_min_confidence,
+            speculative_adaptive=self.speculative_adaptive,
             cuda_graphs=not self.enforce_eager,
             cuda_graph_sizes=self.cuda_graph_sizes or (),
             warmup=self.warmup if self.warmup is not None else (

@@ -45,18 +45,11 @@ def _duration(seconds: float) -> str:
 
 
 def _engine_line(settings: ServerSettings, engine: Any) -> str:
-    """Device, dtype and HBM pool of the engine (an ``AsyncEngine`` is read; another client reports what the
-    settings resolve to)."""
-    summary = getattr(engine, "engine_summary", None)  # a client over several ranks describes itself
+    """Device, dtype and HBM pool of the engine (the engine-core client describes itself; another client, a
+    test double, is reported by what the settings resolve to)."""
+    summary = getattr(engine, "engine_summary", None)
     if callable(summary):
         return summary()
-    inner = getattr(engine, "engine", None)
-    kvm, layout, model = (getattr(inner, name, None) for name in ("kvm", "layout", "model"))
-    if kvm is not None and layout is not None and model is not None:
-        blocks, block_bytes = kvm.pool.num_blocks, layout.block_bytes
-        size = blocks * block_bytes
-        return (f"engine: device {model.device}, dtype {inner.config.dtype}, HBM pool {blocks:,} blocks of "
-                f"{layout.block_size} tokens x {block_bytes:,} B = {size / (1 << 30):.2f} GiB")
     config = settings.engine_config()
     return (f"engine: device {config.device}, dtype {config.dtype}, HBM pool not reported by "
             f"{type(engine).__name__}")

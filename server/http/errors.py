@@ -10,7 +10,8 @@ Every error response body is ``{"error": {"message", "type", "param", "code"}}``
     413 invalid_request_error   body over --max-request-bytes
     429 rate_limit_error        the engine's waiting queue is full (``QueueFullError``)
     500 server_error            anything unexpected: a generic message; the traceback goes to the log only
-    503 server_error            the engine is not ready (loading) or has stopped
+    503 server_error            the engine is not ready (loading) or has stopped (code not_ready), or the
+                                server is shutting down (code shutting_down: SIGTERM's drain, serving/drain.py)
 
 Route code raises ``APIError`` (or a subclass); ``install_error_handlers`` maps it, FastAPI's
 validation errors, Starlette's HTTP errors and any other exception to that body. On the Messages API's
@@ -39,6 +40,7 @@ __all__ = [
     "BadRequest",
     "NotFound",
     "ServiceUnavailable",
+    "ShuttingDown",
     "error_body",
     "error_body_for_path",
     "error_response",
@@ -74,6 +76,14 @@ class NotFound(APIError):
 class ServiceUnavailable(APIError):
     def __init__(self, message: str = "the engine is not ready; retry later") -> None:
         super().__init__(503, message, code="not_ready")
+
+
+class ShuttingDown(APIError):
+    """503 ``shutting_down``: a new request while the server drains, or one still running when the drain
+    timeout passed (serving/drain.py). Answered with Retry-After, like every 503."""
+
+    def __init__(self, message: str = "the server is shutting down; retry on another replica or later") -> None:
+        super().__init__(503, message, code="shutting_down")
 
 
 def error_body(status: int, message: str, *, type: str | None = None, param: str | None = None,

@@ -86,5 +86,5 @@ async def prepare_chat_job(state: ServerState, request: Request, body: ChatCompl
         for i in range(body.n)
     ]
     stream = EngineStream(engine, request_id, prompt.ids, params, state.cache_salt(request, body.cache_salt))
-    gen = Generation(request_id, model, chunk_object, [stream], choices, tracker)
+    gen = Generation(request_id, model, chunk_object, [stream], choices, tracker, state.drain)
     return ChatJob(request_id, model, prompt, gen, top_logprobs)

@@ -111,7 +111,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         )
         for k in range(len(streams) * body.n)
     ]
-    gen = Generation(request_id, model, "text_completion", streams, choices, tracker)
+    gen = Generation(request_id, model, "text_completion", streams, choices, tracker, state.drain)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         renderer = CompletionStreamRenderer(gen, state, body.logprobs, echoes if body.echo else None, include_usage)

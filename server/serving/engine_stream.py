@@ -1,6 +1,7 @@
 """One engine request as a route sees it: ``EngineStream`` submits it, waits a moment for admission
 errors (so a full queue is a 429 even for ``stream=true``), and on close aborts it unless it finished.
-Closing happens on every exit path: client disconnect, stop string, error, normal end.
+Closing happens on every exit path: client disconnect, stop string, error, normal end. ``interrupt``
+(the drain timeout, drain.py) ends the iteration with a given ``APIError`` at its next await on the engine.
 
     engine.generate ──RequestOutput──▶ EngineStream ──▶ merge_outputs ──StreamOutput──▶ the output loop
        (token ids)                  (abort on close)   (several streams: a completions batch)
@@ -71,6 +72,9 @@ class EngineStream:
         self._gen: AsyncIterator[RequestOutput] | None = None
         self._first: asyncio.Future[RequestOutput] | None = None
         self._closed = False
+        self._stop: APIError | None = None  # set by interrupt(): outputs() raises it
+        self._waiter: asyncio.Task | None = None  # the task awaiting the engine's next output, while it does
+        self._cancelled_waiter = False  # interrupt() cancelled _waiter: its CancelledError is the interrupt
 
     async def start(self, grace_s: float = FIRST_OUTPUT_GRACE_S) -> None:
         """Submit, and wait up to `grace_s` for the first output so that admission errors surface now."""
@@ -86,11 +90,26 @@ class EngineStream:
                 raise APIError(500, "the engine ended the request without output")
             raise engine_error(exc, self.engine) or exc  # type: ignore[misc]
 
+    def interrupt(self, reason: APIError) -> None:
+        """End the iteration with `reason`: ``outputs()`` raises it at once if it is awaiting the engine (its task
+        is cancelled; the cancellation becomes `reason`), else before its next await. The engine request stays
+        unfinished, so ``close`` aborts it. No effect on a finished or closed stream, or after a first call."""
+        if self.finished or self._closed or self._stop is not None:
+            return
+        self._stop = reason
+        if self._waiter is not None:
+            self._cancelled_waiter = True
+            self._waiter.cancel(msg="interrupted")
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         if self._gen is None:
             await self.start(grace_s=0.0)
         assert self._gen is not None
         while not self.finished:
+            if self._stop is not None:
+                raise self._stop
+            # the await below is the only place interrupt() cancels: the task is suspended there and nowhere else
+            self._waiter = asyncio.current_task()
             try:
                 if self._first is not None:
                     first, self._first = self._first, None
@@ -100,12 +119,23 @@ class EngineStream:
             except StopAsyncIteration:
                 self.finished = True
                 return
+            except asyncio.CancelledError:
+                if not self._cancelled_waiter:
+                    raise
+                self._cancelled_waiter = False
+                task = asyncio.current_task()
+                if task is not None and task.uncancel() > 0:
+                    raise  # cancelled by someone else as well (the client went away): that cancellation wins
+                assert self._stop is not None
+                raise self._stop from None
             except Exception as exc:
                 self.finished = True  # the engine dropped the request itself
                 error = engine_error(exc, self.engine)
                 if error is None:
                     raise
                 raise error from exc
+            finally:
+                self._waiter = None
             if out.finished:
                 self.finished = True
             yield out

@@ -11,6 +11,10 @@ handed to ``renderer.abort``. ``stream_response`` renders SSE chunks as they com
 are started first, so admission errors are still plain HTTP errors; later ones become an SSE error
 event); ``json_response`` runs the same loop and answers with the renderer's body. Every exit path
 closes the engine streams (aborting unfinished requests) and records the request's metrics once.
+
+A started generation is in the server's ``Drain`` (drain.py) until it closes: past SIGTERM's drain timeout
+``interrupt`` ends it with ``ShuttingDown``, which reaches the client as any ``APIError`` after the start
+does (a JSON 503; in a stream, the API's error event and the stream's end).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from flashtier.server.text.choice_text import ChoiceText, TextStep
 from flashtier.server.http.disconnect import ClientDisconnected, cancel_on_disconnect
+from flashtier.server.serving.drain import Drain
 from flashtier.server.serving.engine_stream import EngineStream, merge_outputs
 from flashtier.server.http.errors import APIError
 from flashtier.server.serving.metrics import RequestTracker
@@ -84,6 +89,7 @@ class Generation(Generic[C]):
     streams: list[EngineStream]
     choices: list[C]
     tracker: RequestTracker
+    drain: Drain  # the server's in-flight generations (ServerState.drain): start() adds this one, close() removes it
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -124,19 +130,32 @@ class Generation(Generic[C]):
                     yield chunk
 
     async def start(self) -> None:
-        """Submit every engine request now (admission errors raise here); closes them all on failure."""
+        """Enter the drain (``ShuttingDown`` once its timeout passed) and submit every engine request now
+        (admission errors raise here); closes them all and leaves the drain on failure."""
+        self.drain.add(self)
         try:
             for s in self.streams:
                 await s.start()
         except BaseException:
             for s in self.streams:
                 await s.close()
+            self.drain.discard(self)
             raise
 
-    async def close(self, renderer: ChoiceRenderer[C]) -> None:
-        """Close the engine streams (aborting unfinished requests) and record the metrics. Idempotent."""
+    def interrupt(self, reason: APIError) -> None:
+        """End the generation with `reason` (the drain timeout): every engine stream's iteration raises it at
+        its next await on the engine, so the output loop ends as with any error after the start."""
         for s in self.streams:
-            await s.close()
+            s.interrupt(reason)
+
+    async def close(self, renderer: ChoiceRenderer[C]) -> None:
+        """Close the engine streams (aborting unfinished requests), leave the drain and record the metrics.
+        Idempotent."""
+        try:
+            for s in self.streams:
+                await s.close()
+        finally:
+            self.drain.discard(self)
         for choice in self.choices:
             if not choice.text.finished:
                 renderer.abort(choice)
@@ -189,6 +208,7 @@ async def json_response(request: Request, gen: Generation[C], renderer: BodyRend
 
     async def complete() -> dict[str, Any]:
         try:
+            gen.drain.add(gen)  # the engine requests start inside the loop (no admission grace: nothing is sent yet)
             async for _ in gen.render(renderer):
                 pass
         finally:

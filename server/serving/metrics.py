@@ -10,7 +10,8 @@ Two sources:
 - the engine's own gauges and counters, read from ``EngineClient.stats()`` at scrape time
   (running/waiting/loading, KV usage, prefix-cache queries/hits in tokens, preemptions, prompt and
   generation tokens, global-KV bytes per token; with speculative decoding on, drafts verified and
-  accepted and the acceptance-length histogram), and the tier counters of ``EngineStats.tiers``,
+  accepted, accepted drafts by position, the acceptance-length histogram, the goodput controller's
+  current draft length and its steps by draft length), and the tier counters of ``EngineStats.tiers``,
   each exported as ``flashtier_<key>`` (a counter, ``_total``; ``TIER_GAUGES`` are gauges; a key
   ending in ``_s`` ends in ``_seconds``; keys ``name{label=value}`` form one labelled family, e.g.
   ``flashtier_ssd_write_errors_total{cause="disk_full"}``, see engine/engine_stats.py). Tier metrics
@@ -73,6 +74,9 @@ SPEC_DRAFTS = PREFIX + "spec_decode_num_drafts"  # counter: sequence-steps that 
 SPEC_DRAFT_TOKENS = PREFIX + "spec_decode_num_draft_tokens"  # counter: drafts verified
 SPEC_ACCEPTED_TOKENS = PREFIX + "spec_decode_num_accepted_tokens"  # counter: drafts accepted
 SPEC_ACCEPTANCE_LENGTH = PREFIX + "spec_decode_acceptance_length"  # histogram: drafts accepted per verify
+SPEC_ACCEPTED_PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos"  # counter {position}: 0-based draft
+SPEC_DRAFT_LENGTH = PREFIX + "spec_decode_draft_length"  # gauge: the goodput controller's current draft length
+SPEC_STEPS = PREFIX + "spec_decode_steps"  # counter {draft_length}: decode steps by the draft length they ran
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -188,6 +192,18 @@ class _EngineStatsCollector(Collector):
         buckets.append(("+Inf", cumulative))
         h.add_metric([self._model], buckets, sum_value=stats.spec_accepted_tokens)
         yield h
+        per_pos = CounterMetricFamily(SPEC_ACCEPTED_PER_POS, "DSpark drafts accepted, by draft position "
+                                      "(0: the first draft).", labels=["model_name", "position"])
+        for j, n in enumerate(stats.spec_accepted_by_position):
+            per_pos.add_metric([self._model, str(j)], n)
+        yield per_pos
+        yield self._gauge(SPEC_DRAFT_LENGTH, "Drafts per sequence the goodput controller verifies in the current "
+                          "step (0: plain decoding).", stats.spec_draft_length)
+        steps = CounterMetricFamily(SPEC_STEPS, "Decode steps by the draft length the goodput controller ran them "
+                                    "with (0: plain decoding).", labels=["model_name", "draft_length"])
+        for k, n in enumerate(stats.spec_steps_by_draft_length):
+            steps.add_metric([self._model, str(k)], n)
+        yield steps
 
 
 def tier_families(model_name: str, tiers: dict[str, float]) -> list[Metric]:

@@ -29,9 +29,10 @@ from flashtier.engine.grammar.constraint import OutputConstraint
 from flashtier.engine.core.outputs import CacheUsage, ResumeInfo, TokenLogprob
 from flashtier.engine.sample.params import SamplingParams
 from flashtier.server.http.auth import authenticated_key
-from flashtier.server.http.errors import BadRequest, NotFound, ServiceUnavailable
+from flashtier.server.http.errors import BadRequest, NotFound, ServiceUnavailable, ShuttingDown
 from flashtier.server.http.frontend_pool import INLINE_CHARS, FrontendPool
 from flashtier.server.grammar.service import GrammarService
+from flashtier.server.serving.drain import Drain
 from flashtier.server.serving.metrics import ServerMetrics
 from flashtier.server.protocol.request_models import SamplingFields
 from flashtier.server.response_store.store import ResponseStore
@@ -64,8 +65,13 @@ class ServerState:
         self.grammars = GrammarService(tokenizer)
         self.response_store: ResponseStore | None = None  # built by create_app (responses/store.py)
         self.cpu_pool = FrontendPool(settings.frontend_workers)  # shut down by the app's lifespan
+        self.drain = Drain()  # the in-flight generations; SIGTERM drains them (drain.py)
 
     def require_engine(self) -> EngineClient:
+        """The engine for a new request (and /health): 503 ``shutting_down`` once the drain began, 503
+        ``not_ready`` while it loads or after it stopped."""
+        if self.drain.draining:
+            raise ShuttingDown()
         engine = self.engine
         if engine is None:
             raise ServiceUnavailable(f"the engine is {self.phase}; retry later")

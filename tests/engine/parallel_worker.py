@@ -12,7 +12,9 @@ on the job's fault rank only (every collective is still made):
 - ``skip_allreduce``: the attention of layer FAULT_LAYER keeps its own partial sum instead of the sum;
 - ``head_off_by_one``: that layer's query heads (wq_b rows and sinks) are taken one head too far on.
 
-``moe_rank_main`` runs one ``ExpertParallelMoE`` on its replica's rows (possibly none).
+``moe_rank_main`` runs one ``ExpertParallelMoE`` on its replica's rows (possibly none);
+``moe_ep_variants_main`` runs it in each expert form (float, stored MXFP4 through the grouped op's reference
+and its kernels), records the ``expert_ids`` of every grouped-op call, then drops one expert (the broken case).
 """
 
 import os
@@ -141,6 +143,62 @@ def moe_rank_main(rank: int, moe: torch.nn.Module, xs: list[torch.Tensor], job: 
             with torch.no_grad():
                 y = ExpertParallelMoE(moe, groups.tp, groups.ep)(xs[groups.dp_rank])
             torch.save(y, job.out_dir / f"rank{rank}.pt")
+        finally:
+            shutdown_distributed()
+    except BaseException:  # noqa: BLE001 - reported to the parent through the file
+        (job.out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _ep_variants(groups, moe: torch.nn.Module, x: torch.Tensor, drop_expert: int) -> dict[str, torch.Tensor]:
+    """This rank's ``ExpertParallelMoE`` outputs on rows ``x`` in each expert form, and the ``expert_ids`` each
+    grouped-op call got; then the same with ``drop_expert`` removed from its owner's experts (the broken case)."""
+    import copy
+
+    from flashtier.engine.parallel import expert_parallel_moe as epm
+
+    calls: list[torch.Tensor] = []
+    real_op = epm.moe_grouped_ffn
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["expert_ids"].clone())
+        return real_op(*args, **kwargs)
+
+    epm.moe_grouped_ffn = spy  # a forked child: patches this rank's process only
+    moe32 = copy.deepcopy(moe).float()
+    x64, x32 = x.double(), x.float()
+    flt64 = ExpertParallelMoE(moe, groups.tp, groups.ep)
+    flt32 = ExpertParallelMoE(moe32, groups.tp, groups.ep)
+    stored = ExpertParallelMoE(moe, groups.tp, groups.ep)  # the shared expert stays float: float64 here
+    stored32 = ExpertParallelMoE(moe32, groups.tp, groups.ep)
+    stored.convert_experts_("cpu")
+    out = {"float64": flt64(x64), "float32": flt32(x32), "nbytes": torch.tensor(stored.experts.nbytes)}
+    out["stored64"] = stored(x64)  # "auto" on the CPU: the op's reference path
+    stored32.convert_experts_("cpu")
+    stored32.experts.impl = "triton"  # the kernels, interpreted
+    out["stored32"] = stored32(x32)
+    out["ids"] = torch.stack(calls) if calls else torch.zeros(0, 0, dtype=torch.int64)
+    if str(drop_expert) in flt64.experts:
+        del flt64.experts[str(drop_expert)]
+        rx = stored.experts
+        keep = (rx.expert_ids != drop_expert).nonzero()[:, 0]
+        for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales", "expert_ids"):
+            setattr(rx, name, getattr(rx, name)[keep])
+    out["float64_broken"], out["stored64_broken"] = flt64(x64), stored(x64)
+    return out
+
+
+def moe_ep_variants_main(rank: int, moe: torch.nn.Module, xs: list[torch.Tensor], drop_expert: int, job: Job) -> None:
+    """Child entry of the grouped-op EP tests: ``_ep_variants`` on this DP replica's rows ``xs[dp_rank]``, saved
+    as a dict to ``OUT_DIR/rank{R}.pt`` (errors as in ``rank_main``)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        groups = init_distributed(job.parallel, rank, init_method=f"tcp://127.0.0.1:{job.port}", timeout_s=60)
+        try:
+            with torch.no_grad():
+                out = _ep_variants(groups, moe, xs[groups.dp_rank], drop_expert)
+            torch.save(out, job.out_dir / f"rank{rank}.pt")
         finally:
             shutdown_distributed()
     except BaseException:  # noqa: BLE001 - reported to the parent through the file

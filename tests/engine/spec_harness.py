@@ -1,4 +1,5 @@
-"""What tests/engine/test_speculative*.py share: engines, a forced drafter, state comparison, chi-square."""
+"""What tests/engine/test_speculative*.py and test_spec_controller.py share: engines, a forced drafter, a fake
+clock, state comparison, chi-square."""
 
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ DEPTH = 3
 GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def make(model, *, spec=DEPTH, forward="batched", budget=96, blocks=400, block_size=8, max_seqs=64):
+def make(model, *, spec=DEPTH, forward="batched", budget=96, blocks=400, block_size=8, max_seqs=64,
+         adaptive=False, clock=None):
+    """A float64 engine; ``adaptive`` False verifies up to ``spec`` drafts in every step (the mechanics under
+    test), True lets the goodput controller choose, on ``clock`` (a FakeClock: deterministic)."""
     cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, forward=forward, dtype="float64",
-                       speculative_tokens=spec)
-    return Engine(model, cfg, KVStoreConfig(block_size=block_size, num_blocks=blocks))
+                       speculative_tokens=spec, speculative_adaptive=adaptive)
+    kv = KVStoreConfig(block_size=block_size, num_blocks=blocks)
+    return Engine(model, cfg, kv) if clock is None else Engine(model, cfg, kv, clock=clock)
 
 
 def run(engine, requests, on_step=None, choices=None):
@@ -44,7 +49,7 @@ def force_drafts(engine, want, wrong_from=lambda rid, done: (done + int(rid[1:])
     """Replace the drafter's proposals by the plain run's continuation, wrong from ``wrong_from`` on."""
     block = engine.model.cfg.dspark_block_size
 
-    def propose(live):
+    def propose(live, n):
         for req, seq in live:
             done = len(seq.output)
             drafts = (want.get((req.request_id, seq.index), [])[done:] + [7] * block)[:block]
@@ -54,7 +59,20 @@ def force_drafts(engine, want, wrong_from=lambda rid, done: (done + int(rid[1:])
             spec.drafts, spec.draft_pos = tuple(drafts), len(req.prompt) + done - 1
             spec.q = spec.confidence = None
 
-    engine.drafter._propose = propose
+    engine.drafter.propose = propose
+
+
+class FakeClock:
+    """Seconds that move only when a test advances them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def plain_quarter(engine):

@@ -15,6 +15,7 @@ while the compute stream runs), and a staging slot is not rewritten before its c
 import copy
 import dataclasses
 import gc
+import multiprocessing
 import os
 
 import pytest
@@ -23,6 +24,7 @@ import torch
 import flashtier.engine.model.engram_host as engram_host
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
+from flashtier.engine.model.checkpoint import CheckpointReader, write_checkpoint
 from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import load_model_in_formats, place_in_formats_
 from flashtier.engine.model.engram_host import HostEngramTables
@@ -31,6 +33,7 @@ from flashtier.engine.model.engram_table import HostTable
 from flashtier.engine.model.incremental import IncrementalModel
 from flashtier.engine.model.init import random_model, random_model_on_device
 from flashtier.engine.model.loader import save_model
+from flashtier.engine.model.sharded_reader import locate
 from flashtier.engine.sample.params import SamplingParams
 from flashtier.kernels.quant.fp8_weight import dequantize_fp8_weight, quantize_fp8_weight
 from flashtier.kvstore.config import KVStoreConfig
@@ -254,6 +257,102 @@ def test_stored_load_and_placement_keep_host_tables_bit_identical(tmp_path):
     default = place_in_formats_(floats, "cpu")  # the CPU default keeps the tables as parameters
     assert default.layers[14].engram.host is None and default.layers[14].engram.embed is not None
     assert _same(logits(placed), logits(default))
+
+
+# ---- one copy per host: the tables mapped from the checkpoint file ----
+
+TABLE = "layers.1.engram.embed.weight"
+SHARE_ROWS, SHARE_HD = 65536, 64  # 4 MiB of codes: a thousand pages, so PSS rounding is far below the bounds
+
+
+@pytest.fixture(scope="module")
+def table_file(tmp_path_factory):
+    """A checkpoint holding one Engram table as stored (fp8 rows), its float values, and its stored plan."""
+    directory = tmp_path_factory.mktemp("engram_table")
+    q, s = quantize_fp8_weight(torch.randn(SHARE_ROWS, SHARE_HD, generator=torch.Generator().manual_seed(9)),
+                               block=(1, 32))
+    weight = dequantize_fp8_weight(q, s, block=(1, 32))
+    write_checkpoint(directory, {TABLE: weight}, {TABLE: "fp8_rows"}, {})
+    return directory, weight
+
+
+def _mapped(directory) -> HostTable:
+    reader = CheckpointReader(directory)
+    plan = reader.plan(TABLE)
+    return HostTable.map_stored(locate(reader, plan.data), locate(reader, plan.scale), plan.shape, register=False)
+
+
+def _mapping_pss_kb(ptr: int) -> int:
+    """PSS (kB) of this process's mapping that holds address ``ptr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's header line: "start-end perms offset dev inode"
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head[0] == "Pss:":
+                return int(head[1])
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_mapped_table_gathers_equal_the_read_copy(table_file):
+    """Lookups through the mapped table equal today's path (the stored tensors read into memory) bit for bit."""
+    directory, weight = table_file
+    mapped = _mapped(directory)
+    reader = CheckpointReader(directory)
+    (_, data, scale), = reader.load_stored({TABLE: tuple(weight.shape)}, progress=False)
+    copied = HostTable.from_stored(data, scale, pin=False)
+    with open("/proc/self/maps") as f:  # the codes are the file's pages, not a copy
+        spans = [line.split() for line in f if line.rstrip().endswith(".safetensors")]
+    assert any(int(s[0].split("-")[0], 16) <= mapped.data.data_ptr() < int(s[0].split("-")[1], 16) for s in spans)
+    hosts = [HostEngramTables({1: t}, n_hashes=3, device="cpu", dtype=torch.float32) for t in (mapped, copied)]
+    gen = torch.Generator().manual_seed(4)
+    for name, rows in _id_sets(SHARE_ROWS, 3, gen).items():
+        got, want = (h.gather(1, rows) for h in hosts)
+        assert _same(got, want) and _same(got, weight[rows]), name
+
+
+def _child_maps(directory, copy_it: bool, conn) -> None:
+    """Forked child: map the table itself (or read its file into private memory, as a copy into pinned memory per
+    rank would hold it), touch every page, report, wait."""
+    if copy_it:
+        shard, = (p for p in directory.iterdir() if p.suffix == ".safetensors")
+        data = torch.frombuffer(bytearray(shard.read_bytes()), dtype=torch.uint8)
+    else:
+        data = _mapped(directory).data
+    conn.send(int(data.view(torch.uint8).sum()))  # every page read: resident in this process
+    conn.recv()  # hold the mapping until the parent has measured
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc smaps for PSS")
+@pytest.mark.parametrize("child", ["maps_too", "copies"])
+def test_two_processes_mapping_a_table_share_its_pages(table_file, child):
+    """PSS splits a shared page between the processes mapping it. With a second process mapping the table the
+    parent's PSS for it halves (one copy on the host); a process holding a private copy instead leaves it
+    whole (the failure this catches: a table copied per rank)."""
+    directory, _ = table_file
+    table = _mapped(directory)
+    assert int(table.data.sum()) >= 0  # touch every page
+    size_kb = table.data.numel() // 1024
+    alone = _mapping_pss_kb(table.data.data_ptr())
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=_child_maps, args=(directory, child == "copies", child_end))
+    proc.start()
+    try:
+        parent_end.recv()  # the child has mapped (or copied) and touched every page
+        shared = _mapping_pss_kb(table.data.data_ptr())
+    finally:
+        parent_end.send(None)
+        proc.join(60)
+    assert proc.exitcode == 0
+    print(f"{child}: table {size_kb} kB, parent PSS alone {alone} kB, with the child {shared} kB")
+    assert abs(alone - size_kb) <= 0.02 * size_kb
+    if child == "maps_too":
+        assert abs(shared - size_kb / 2) <= 0.02 * size_kb
+    else:
+        assert abs(shared - size_kb) <= 0.02 * size_kb
 
 
 # ---- CUDA (-m gpu, TRITON_INTERPRET=0) ----

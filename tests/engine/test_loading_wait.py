@@ -1,10 +1,10 @@
-"""The engine loop while a request waits in LOADING on a tier lookup: it sleeps instead of stepping idly, and a
-finished lookup wakes it at once.
+"""The engine-core loop while a request waits in LOADING on a tier lookup: it waits instead of stepping idly,
+and a finished lookup wakes it at once.
 
 An idle step loop holds the GIL against the lookup's reader threads (each GIL release of theirs then costs up
 to a switch interval): on an H200 a 100K-token restore that installs in ~32 ms took 6.9 s that way. The bound
-here is on scheduler calls, not on wall time: the lookup is held open by a gate for HOLD_S seconds, and the
-loop may only wake for its safety-net timeout in that time (a spinning loop makes thousands of calls).
+here is on scheduler calls, not on wall time: the lookup is held open by a gate for HOLD_S seconds, and no
+step may run in that time (a spinning loop makes thousands of calls).
 """
 
 import asyncio
@@ -12,7 +12,6 @@ import concurrent.futures
 import threading
 import time
 
-from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.sample.params import SamplingParams
@@ -20,10 +19,10 @@ from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
+from .engine_core_harness import in_process_engine_core
 
 BS = 16
 HOLD_S = 0.4  # how long the gate keeps the lookup open
-WAIT_S = 0.05  # the loop's safety-net timeout during the hold
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
 
@@ -67,22 +66,26 @@ def _count_schedules(engine: Engine) -> list[int]:
 
 
 def test_the_loop_sleeps_while_a_lookup_is_open_and_wakes_when_it_finishes(tiny32):
+    """The engine-core loop (rank_worker.RankLoop, driven by the real client over its pipe) reports the stall,
+    the driver releases no step for it, and the finished lookup's wake-up (``Woken``) brings the next step."""
     engine, tiers = _engine(tiny32)
     calls = _count_schedules(engine)
 
     async def main():
-        client = AsyncEngine(engine).start()
-        client.idle_wait_s = WAIT_S
+        client = in_process_engine_core(engine)
         try:
             stream = client.generate("r", random_prompt(3 * BS + 5, seed=11), PARAMS)
             first = asyncio.ensure_future(stream.__anext__())
             assert await asyncio.to_thread(tiers.waiting.wait, 10), "the lookup never started"
-            await asyncio.sleep(0.05)  # the step that admitted the request and the one after it are done
+            # the steps released before the stall was reported (at most the pacer's lookahead) have run once
+            # the last report says stalled and nothing is in flight
+            deadline = time.monotonic() + 20
+            while client.pacer.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert client.pacer.in_flight == 0
             before = calls[0]
             await asyncio.sleep(HOLD_S)
             during = calls[0] - before
-            # only a finished lookup (set_wake) can wake the loop now, not its timeout
-            client.idle_wait_s = 60.0
             t0 = time.monotonic()
             tiers.gate.set()
             out = await asyncio.wait_for(first, timeout=20)
@@ -95,10 +98,9 @@ def test_the_loop_sleeps_while_a_lookup_is_open_and_wakes_when_it_finishes(tiny3
             await client.shutdown(timeout=2)
 
     during, woke_s, out = asyncio.run(main())
-    # a loop that steps while nothing can run makes thousands of calls in HOLD_S (each does nothing); a
-    # sleeping one wakes only for its timeout: HOLD_S / WAIT_S = 8, plus slack for a slow machine
-    assert during <= HOLD_S / WAIT_S + 4, f"{during} scheduler calls while the only request was LOADING"
-    # woken by the lookup, not by the 60 s timeout (the first token of a 53-token prompt on the tiny model)
+    # a loop that steps while nothing can run makes thousands of calls in HOLD_S (each does nothing); the
+    # engine core makes none: no step is released until the lookup's wake-up
+    assert during == 0, f"{during} scheduler calls while the only request was LOADING"
     assert woke_s < 20 and out.finished and out.choices[0].finish_reason == "length"
     engine.check_integrity()
     assert engine.pool.num_used == 0

@@ -32,7 +32,7 @@ from flashtier.engine.engine import Engine
 from flashtier.engine.factory import build_model
 from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.parallel import ParallelConfig
-from flashtier.engine.parallel.executor import ParallelEngineClient, start_parallel_engine
+from flashtier.engine.parallel.executor import EngineCoreClient, start_engine_core
 from flashtier.engine.grammar.compiler import GrammarCompiler
 from flashtier.engine.grammar.constraint import ConstraintKind, ConstraintSpec, OutputConstraint
 from flashtier.engine.sample.params import SamplingParams
@@ -98,7 +98,7 @@ def single_process(requests: dict[str, tuple[list[int], SamplingParams]], config
     return {rid: answer(o) for rid, o in outs.items()}
 
 
-async def collect(client: ParallelEngineClient, rid: str, prompt: list[int], params: SamplingParams) -> tuple:
+async def collect(client: EngineCoreClient, rid: str, prompt: list[int], params: SamplingParams) -> tuple:
     return answer([out async for out in client.generate(rid, prompt, params)])
 
 
@@ -113,7 +113,7 @@ def model() -> Transformer:
 
 @pytest.fixture(scope="module")
 def client():
-    c = start_parallel_engine(ParallelConfig(tensor_parallel_size=2), CONFIG, KV, seed=5, start_timeout_s=300)
+    c = start_engine_core(ParallelConfig(tensor_parallel_size=2), CONFIG, KV, seed=5, start_timeout_s=300)
     yield c
     run(c.shutdown(5.0))
 

@@ -19,7 +19,7 @@ import torch
 
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.parallel import ParallelConfig
-from flashtier.engine.parallel.executor import start_parallel_engine
+from flashtier.engine.parallel.executor import start_engine_core
 
 from .conftest import random_prompt
 from .test_parallel_executor import GREEDY, KV, collect, sampled, single_process
@@ -41,7 +41,7 @@ def _requests() -> dict:
 
 
 def _serve(parallel: ParallelConfig, config: EngineConfig, requests: dict) -> dict:
-    client = start_parallel_engine(parallel, config, KV, seed=5, start_timeout_s=600)
+    client = start_engine_core(parallel, config, KV, seed=5, start_timeout_s=600)
 
     async def go():
         try:

@@ -33,8 +33,8 @@ from flashtier.engine.core.scheduler_output import DecoderKind
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import random_prompt
-from .spec_harness import (DEPTH, GREEDY, chi2_sf, force_drafts, kv_state, make, plain_quarter, run, same_state,
-                           two_sample_p, watch_steps)
+from .spec_harness import (DEPTH, GREEDY, FakeClock, chi2_sf, force_drafts, kv_state, make, plain_quarter, run,
+                           same_state, two_sample_p, watch_steps)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_exact_resume_of_a_speculated_turn(model):
     want2 = run(make(model, spec=0), second)
     kv = KVStoreConfig(block_size=8, num_blocks=200)
     eng = Engine(model, EngineConfig(max_num_batched_tokens=96, dtype="float64", forward="batched",
-                                     speculative_tokens=DEPTH), kv, TierManager(kv))
+                                     speculative_tokens=DEPTH, speculative_adaptive=False), kv, TierManager(kv))
     try:
         force_drafts(eng, {**want1, **want2})
         assert run(eng, first) == want1
@@ -268,11 +268,11 @@ def test_sampled_tokens_follow_plain_sampling(model, plain):
 
     def forced(eng, arm):
         want = {(p + arm, c): greedy_path[p] for p in prompts for c in range(16)}
-        real = eng.drafter._propose
+        real = eng.drafter.propose
         force_drafts(eng, want, wrong_from=lambda rid, done: DEPTH)
-        mine = eng.drafter._propose
-        eng.drafter._propose = lambda live: (mine([x for x in live if x[0].request_id.endswith(arm)]),
-                                             real([x for x in live if not x[0].request_id.endswith(arm)]))
+        mine = eng.drafter.propose
+        eng.drafter.propose = lambda live, n: (mine([x for x in live if x[0].request_id.endswith(arm)], n),
+                                               real([x for x in live if not x[0].request_id.endswith(arm)], n))
 
     base = pairs(run(make(model, spec=0), [(p + "P", pr, params(32, 11 + i)) for i, (p, pr) in
                                            enumerate(prompts.items())]), "P")
@@ -322,3 +322,85 @@ def test_speculative_settings_and_metrics(model):
     text = generate_latest(ServerMetrics("m", stats=lambda: stats).registry).decode()
     assert f'flashtier_spec_decode_num_draft_tokens_total{{model_name="m"}} {float(stats.spec_draft_tokens)}' in text
     assert 'flashtier_spec_decode_acceptance_length_bucket{le="0.0",model_name="m"}' in text
+    assert len(stats.spec_accepted_by_position) == DEPTH and stats.spec_steps_by_draft_length[DEPTH] > 0
+    for j, n in enumerate(stats.spec_accepted_by_position):
+        assert (f'flashtier_spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{j}"}} '
+                f'{float(n)}') in text
+    assert f'flashtier_spec_decode_draft_length{{model_name="m"}} {float(DEPTH)}' in text
+    assert (f'flashtier_spec_decode_steps_total{{draft_length="{DEPTH}",model_name="m"}} '
+            f'{float(stats.spec_steps_by_draft_length[DEPTH])}') in text
+    assert build_settings(None, {}).engine_config().speculative_adaptive
+    off = build_parser().parse_args(["serve", "--speculative", "3", "--no-speculative-adaptive"])
+    assert not build_settings(off, {}).engine_config().speculative_adaptive
+    assert not build_settings(None, {"FLASHTIER_SPECULATIVE_ADAPTIVE": "0"}).speculative_adaptive
+
+
+LONG = [(f"c{i}", random_prompt(5 + 3 * i, seed=700 + i), SamplingParams(temperature=0, max_tokens=72, ignore_eos=True))
+        for i in range(2)]
+
+
+def phased_cost(engine, clock):
+    """Advance ``clock`` by each forward's scripted cost: drafting is cheap in steps 0-13 (the controller climbs
+    to 3 drafts), then 1 draft is the best buy (steps 14-21), then drafting costs 10x a plain step (off).
+    Returns [(draft length, sequences decoding)] per step."""
+    execute, steps = engine.runner.execute, []
+
+    def timed(batch):
+        drafts = max((len(w.drafts) for w in batch.decoder), default=0)
+        n = len(steps)
+        if n < 14:
+            cost = 1.0 + 0.1 * drafts
+        elif n < 22:
+            cost = 1.0 if drafts <= 1 else 1.0 + drafts
+        else:
+            cost = 1.0 if drafts == 0 and all(w.kind is not DecoderKind.VERIFY for w in batch.decoder) else 10.0
+        steps.append((engine.spec_control.draft_length, sum(w.kind is not DecoderKind.REPLAY for w in batch.decoder)))
+        clock.advance(cost)
+        return execute(batch)
+
+    engine.runner.execute = timed
+    return steps
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "broken-catch-up"])
+def test_greedy_equal_while_the_controller_switches_draft_lengths(model, broken, monkeypatch):
+    """The goodput controller on a fake clock changes the draft length mid-request (0 -> 1 -> 2 -> 3 -> 1 -> 0,
+    with the drafter's rings missing the plain steps' positions and sequences catching up after an odd
+    rollback): the greedy tokens equal plain decoding's, with the integrity check after every step. Broken: at
+    draft length 0 a sequence holding back an accepted token feeds only its last one, as plain decoding does;
+    the integrity check (or the tokens) catch it."""
+    from flashtier.engine.spec import schedule as spec_schedule
+
+    want = run(make(model, spec=0), LONG)
+    clock = FakeClock()
+    eng = make(model, adaptive=True, clock=clock)
+    lengths = phased_cost(eng, clock)
+    # drafts right up to a varying position; all wrong in the last 1-draft steps (from step 22 for c0, 23 for c1):
+    # one known token and no draft accepted leave an odd kept length, so c1 holds a token back when the draft
+    # length drops to 0 and catches up in the next step
+    force_drafts(eng, want, wrong_from=lambda rid, done: 0 if len(lengths) >= 22 + int(rid[1:]) else
+                 (done + int(rid[1:])) % 4)
+    if broken:
+        feed = spec_schedule.SpecPolicy.feed
+
+        def plain_feed(self, req, seq, budget, cap=None):
+            tokens, n = feed(self, req, seq, budget, cap)
+            return ([seq.output[-1]], 0) if cap == 0 else (tokens, n)
+
+        monkeypatch.setattr(spec_schedule.SpecPolicy, "feed", plain_feed)
+        try:
+            got = run(eng, LONG)
+        except RuntimeError as e:
+            assert "KV holds" in str(e)
+            return
+        assert got != want
+        return
+    assert run(eng, LONG) == want
+    s = eng.stats()
+    both = [k for k, n in lengths if n == 2]  # steps in which both requests decode
+    switches = set(zip(both, both[1:]))
+    assert {(0, 1), (1, 2), (2, 3)} <= switches, lengths  # on, and up to the depth
+    assert any(a > b > 0 for a, b in switches) and any(a > 0 == b for a, b in switches), lengths  # down, and off
+    assert eng.spec_control.buckets[2].choice == 0
+    assert s.spec_steps_by_draft_length == tuple(sum(k == j for k, n in lengths if n) for j in range(DEPTH + 1))
+    assert s.spec_accepted_tokens > 0

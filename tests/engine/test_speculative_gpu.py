@@ -84,7 +84,8 @@ def test_greedy_speculation_on_cuda(models):
     reqs = [(f"r{i}", random_prompt(3 + (5 * i) % 19, seed=300 + i), SamplingParams(**GREEDY)) for i in range(16)]
 
     def engine(spec):
-        cfg = EngineConfig(max_num_batched_tokens=96, max_num_seqs=32, device="cuda", speculative_tokens=spec)
+        cfg = EngineConfig(max_num_batched_tokens=96, max_num_seqs=32, device="cuda", speculative_tokens=spec,
+                           speculative_adaptive=False)
         return Engine(model, cfg, KVStoreConfig(block_size=8, num_blocks=400))
 
     want = run(engine(0), reqs)

@@ -1,5 +1,5 @@
-"""A tenant's deletion in a running engine (``AsyncEngine.delete_tenant``): the HBM prefix index (on the
-engine thread), the SSD tier (records rewritten out of every file) and the embedded snapshot pool; another
+"""A tenant's deletion in a running engine (``EngineCoreClient.delete_tenant``, driving the engine-core loop
+over its pipe): the HBM prefix index (between two steps), the SSD tier (records rewritten out of every file) and the embedded snapshot pool; another
 tenant keeps its hits, and a request of the deleted tenant that is running meanwhile is not disturbed."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import asyncio
 import time
 from pathlib import Path
 
-from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.sample.params import SamplingParams
@@ -18,6 +17,7 @@ from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.tenant import tenant_tag
 
 from .conftest import random_prompt
+from .engine_core_harness import in_process_engine_core
 from ..kvstore.ssd_store_support import ssd_payloads
 
 BS = 16
@@ -30,7 +30,7 @@ def _engine(model, tmp_path: Path, tiers: bool = True, caching: bool = True) -> 
     return Engine(model, EngineConfig(max_num_batched_tokens=256), kv, TierManager(kv) if tiers else None)
 
 
-async def _run(eng: AsyncEngine, rid: str, prompt: list[int], salt: str):
+async def _run(eng, rid: str, prompt: list[int], salt: str):
     tokens, last = [], None
     async for out in eng.generate(rid, prompt, GREEDY, cache_salt=salt):
         tokens += [t for c in out.choices for t in c.token_ids]
@@ -43,7 +43,7 @@ def test_delete_tenant_clears_hbm_ssd_and_snapshots_and_keeps_the_other(tiny64, 
     prompts = {"acme": random_prompt(70, seed=61), "other": random_prompt(70, seed=62)}
 
     async def go():
-        eng = AsyncEngine(engine).start()
+        eng = in_process_engine_core(engine)
         try:
             first = {s: await _run(eng, f"{s}-1", p, s) for s, p in prompts.items()}
             engine.tiers.writer.flush(timeout=30)

@@ -9,7 +9,9 @@ import copy
 import pytest
 
 from flashtier.engine.config import EngineConfig
-from flashtier.engine.factory import build_async_engine, build_engine
+from flashtier.engine.factory import build_engine
+from flashtier.engine.parallel import ParallelConfig
+from flashtier.engine.parallel.executor import start_engine_core
 from flashtier.engine.sample.params import SamplingParams
 from flashtier.engine.warmup import WARMUP_SALT, warm_up
 from flashtier.kvstore.config import KVStoreConfig
@@ -77,16 +79,20 @@ def test_a_failing_warm_up_reattaches_the_tiers_and_drops_its_requests(tmp_path,
         engine.close()
 
 
-def test_the_factory_reports_the_warm_up_phase(tmp_path):
+def test_the_engine_core_reports_the_warm_up_phase_before_ready():
+    """The spawned engine core warms up before it reports ready, saying so first (``/health``'s phase)."""
+    import asyncio
+
     phases = []
     kv = KVStoreConfig(block_size=16, num_blocks=96)
-    client = build_async_engine(EngineConfig(preset="tiny", max_num_seqs=2, warmup=True, cuda_graph_sizes=(1, 2)),
-                                kv, phase=phases.append)
+    client = start_engine_core(ParallelConfig(), EngineConfig(preset="tiny", max_num_seqs=2, warmup=True,
+                                                              cuda_graph_sizes=(1, 2)), kv, seed=0, threads=1,
+                               phase=phases.append, start_timeout_s=300)
     try:
         assert phases == ["warming up"] and client.is_ready()
+        assert client._ready_info().warmup_s > 0
+        assert client.stats().prompt_tokens == 0  # the throwaway requests left no trace in the counters
     finally:
-        import asyncio
-
         asyncio.run(client.shutdown(5))
 
 

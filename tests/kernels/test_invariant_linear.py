@@ -95,3 +95,18 @@ def test_empty_batch():
 def test_bad_arguments_raise_value_errors_naming_them(args, needle):
     with pytest.raises(ValueError, match=needle):
         linear(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m", [1, 8, 64, 65])
+def test_cuda_fp32_mode_is_near_fp32(m):
+    # mode 2 (fp32 x, fp32 w: the mHC mixes [24, 4 x 5120]) runs six bf16 part products on the tensor cores: within
+    # 2^-18 of sum |x*w| of the float64 product (dropped part products < 2^-32; fp32 accumulation in the MMA)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 20480, generator=g, device="cuda")
+    w = torch.randn(24, 20480, generator=g, device="cuda") * 0.05
+    got = linear(x, w, impl="triton").double()
+    err = (got - x.double() @ w.double().T).abs() / (x.double().abs() @ w.double().abs().T)
+    assert float(err.max()) <= 2**-18, f"{float(err.max()):.2e}"

@@ -38,6 +38,9 @@ def check_layout(al, idx, e):
     same = flat[runs][1:] == flat[runs][:-1]
     assert bool((runs[1:][same] > runs[:-1][same]).all())  # ascending flat id inside an expert
     assert bool((ids[~expert_of_row.ge(0)] == n_pairs).all())
+    first = al.first_block.long()  # expert j's blocks are [first[j], first[j + 1]); first[e] = the used blocks
+    assert first.numel() == e + 1 and int(first[0]) == 0 and int(first[-1]) == int(used.sum())
+    assert torch.equal(bex[used], torch.arange(e).repeat_interleave(first[1:] - first[:-1]))
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
@@ -48,6 +51,7 @@ def test_triton_equals_reference(n, e, k, block_m):
     ref = moe_align(idx, e, block_m, impl="reference")
     out = moe_align(idx, e, block_m, impl="triton")
     assert torch.equal(ref.sorted_ids, out.sorted_ids) and torch.equal(ref.block_expert, out.block_expert)
+    assert torch.equal(ref.first_block, out.first_block)
     check_layout(ref, idx, e)
 
 
@@ -57,6 +61,7 @@ def test_skewed_and_small_blocks(n, e, k, block_m):
     ref = moe_align(idx.long(), e, block_m, impl="reference")
     out = moe_align(idx.long(), e, block_m, impl="triton")
     assert torch.equal(ref.sorted_ids, out.sorted_ids) and torch.equal(ref.block_expert, out.block_expert)
+    assert torch.equal(ref.first_block, out.first_block)
     check_layout(ref, idx, e)
 
 
@@ -64,6 +69,7 @@ def test_example_from_the_docstring():
     al = moe_align(torch.tensor([[2, 0], [2, 3]]), n_experts=4, block_m=4, impl="triton")
     assert al.sorted_ids[:16].tolist() == [1, 4, 4, 4, 0, 2, 4, 4, 3, 4, 4, 4, 4, 4, 4, 4]
     assert al.block_expert.tolist() == [0, 2, 3, -1, -1]
+    assert al.first_block.tolist() == [0, 1, 1, 2, 3]
 
 
 def test_a_wrong_expert_id_is_detected():

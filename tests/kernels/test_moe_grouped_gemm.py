@@ -3,8 +3,11 @@
 CPU grids (kernels interpreted): tokens N in {1, 3, 17, 64, 300} with (experts, top-k) (16, 6) or (8, 2),
 on the tiny preset's geometry (D = 64, I = 32) and on D = 128, I = 96 (two K steps, a half-empty N tile).
 Routed experts are random MXFP4 stacks, the shared expert random FP8 with 32 x 32 blocks, the routing from
-``moe_route``. N = 1, 3 run the shipped tile config; 17, 64, 300 a 64 x 64 one (fewer interpreted programs;
-the batch-invariance and w2-stage tests run the shipped one too).
+``moe_route``. N = 1, 3 run the default config (4 token tiles per chunk); 17, 64, 300 chunks of 2 and 1 tiles
+(an expert's tiles span several chunks at 64 and 300 tokens).
+Expert subsets (``expert_ids``, expert parallelism): 1, some and all experts of a stack, ragged (unsorted ids,
+experts no pair uses), against the reference subset; a partition's outputs summed against the full op; in
+float64 the reference subset bit for bit against a per-expert loop.
 GPU (``-m gpu``): the flash-16e geometry (D = 5120, I = 2304, 16 experts, top-6, shared I = 2304).
 
 Tolerance, per token row, relative RMS against the fp32 reference:
@@ -24,22 +27,25 @@ import pytest
 import torch
 
 from flashtier.kernels.moe.combine_kernel import moe_combine_triton
-from flashtier.kernels.moe.grouped_gemm_kernel import DEFAULT_CONFIG, MoEGemmConfig, launch_moe_gemm
+from flashtier.kernels.moe.gemm_config import MoEFfnConfig
+from flashtier.kernels.moe.grouped_gemm_kernel import TOKEN_TILE, MoEGemmConfig, launch_moe_gemm
 from flashtier.kernels.quant.fp8_weight import as_raw_bytes, quantize_fp8_weight
 from flashtier.kernels.moe.align import moe_align
 from flashtier.kernels.moe.grouped_gemm import moe_grouped_ffn
-from flashtier.kernels.moe.grouped_gemm_reference import combine_reference, dense_fp8_expert, dense_mxfp4_expert
+from flashtier.kernels.moe.grouped_gemm_reference import (
+    act_qdq, combine_reference, dense_fp8_expert, dense_mxfp4_expert, expert_ffn_reference,
+)
 from flashtier.kernels.moe.route import moe_route
 from flashtier.kernels.moe.weights import FP8Expert, MXFP4Experts
 from flashtier.kernels.quant.mxfp4 import quantize_mxfp4
 
-BIG_TILES = MoEGemmConfig(block_m=64)
+SMALL_CHUNKS = MoEFfnConfig(MoEGemmConfig(sub_tiles=2), MoEGemmConfig(sub_tiles=1))
 GRID = [  # (N, experts, top-k, D, I, config)
-    (1, 16, 6, 64, 32, DEFAULT_CONFIG),
-    (3, 16, 6, 64, 32, DEFAULT_CONFIG),
-    (17, 8, 2, 128, 96, BIG_TILES),  # two K steps per projection, a half-empty 64-column tile
-    (64, 16, 6, 64, 32, BIG_TILES),
-    (300, 8, 2, 64, 32, BIG_TILES),
+    (1, 16, 6, 64, 32, None),
+    (3, 16, 6, 64, 32, None),
+    (17, 8, 2, 128, 96, SMALL_CHUNKS),  # two K steps per projection, a half-empty 64-row N tile
+    (64, 16, 6, 64, 32, SMALL_CHUNKS),
+    (300, 8, 2, 64, 32, SMALL_CHUNKS),
 ]
 LIMIT = 10.0
 
@@ -111,13 +117,14 @@ def test_w2_stage_alone_is_tight():
     n, e, k, d, i = 17, 8, 2, 128, 96
     routed, shared = make_experts(e, d, i, seed=3)
     _, idx, _ = make_case(n, e, k, d, i, seed=3)
-    bm = DEFAULT_CONFIG.block_m
+    bm = TOKEN_TILE
     al = moe_align(idx, e, bm, impl="reference")
     n_r = al.sorted_ids.numel()
     act = torch.randn(n_r + bm * (-(-n // bm)), i).to(torch.bfloat16)
     out = launch_moe_gemm(act, torch.empty(n * k + n, d), (routed.w2_codes, routed.w2_scales),
                           (shared.w2_codes, shared.w2_scales), gated=False, ids=al.sorted_ids,
-                          block_expert=al.block_expert, n_tok=n, top_k=k, k_r=i, k_s=i, n_r=d, n_s=d)
+                          block_expert=al.block_expert, first_block=al.first_block, n_tok=n, top_k=k, k_r=i, k_s=i,
+                          n_r=d, n_s=d)
     ref = torch.empty(n * k + n, d)
     for row, f in enumerate(al.sorted_ids.tolist()):
         if f < n * k:
@@ -168,11 +175,96 @@ def test_bad_arguments_raise():
         (dict(shared=shared._replace(w13_scales=shared.w13_scales.float())), "shared.w13_scales must be a uint8"),
         (dict(limit=0.0), "limit .swiglu_limit. must be a positive finite number"),
         (dict(x=x.double(), impl="triton"), "float64 runs with impl='reference'"),
+        (dict(expert_ids=torch.arange(3)), r"expert_ids must be an int32/int64 tensor \[8\]"),
+        (dict(expert_ids=torch.tensor([0, 1, 2, 3, 4, 5, 6, 6])), "expert_ids must be distinct non-negative"),
     ]
     for change, match in cases:
         args = dict(x=x, idx=idx, route_w=w, experts=routed, shared=shared, limit=LIMIT) | change
         with pytest.raises(ValueError, match=match):
             moe_grouped_ffn(**args)
+
+
+SUBSETS = {  # name: global ids held by the rank, in stack order
+    "one": [5], "some-ragged": [6, 0, 3], "unused-expert": [1, 7], "all": list(range(8)),
+}
+
+
+@pytest.fixture(scope="module")
+def subset_case():
+    n, e, k, d, i = 17, 8, 2, 64, 32
+    routed, shared = make_experts(e, d, i, seed=7)
+    x, idx, w = make_case(n, e, k, d, i, seed=7)
+    idx[:, 0] = torch.where(idx[:, 0] == 7, 6, idx[:, 0])  # expert 7 appears only as a second choice or not at all
+    idx[:, 1] = torch.where(idx[:, 1] == 7, torch.where(idx[:, 0] == 2, 4, 2), idx[:, 1])
+    assert not bool((idx == 7).any())  # "unused-expert" holds an expert no pair uses
+    full = moe_grouped_ffn(x, idx, w, routed, shared, LIMIT, impl="triton")
+    return dict(routed=routed, shared=shared, x=x, idx=idx, w=w, full=full)
+
+
+def stack(routed: MXFP4Experts, ids: list[int]) -> tuple[MXFP4Experts, torch.Tensor]:
+    t = torch.tensor(ids)
+    return MXFP4Experts(*(field[t] for field in routed)), t
+
+
+@pytest.mark.parametrize("name", list(SUBSETS))
+def test_expert_subset_matches_the_reference_subset(subset_case, name):
+    c = subset_case
+    sub, ids = stack(c["routed"], SUBSETS[name])
+    args = (c["x"], c["idx"], c["w"], sub, None, LIMIT)
+    ref = moe_grouped_ffn(*args, expert_ids=ids, impl="reference")
+    tri = moe_grouped_ffn(*args, expert_ids=ids, impl="triton")
+    held = torch.isin(c["idx"], ids).any(dim=1)  # tokens with a held pair; the others must be exactly zero
+    assert torch.equal(tri[~held], torch.zeros_like(tri[~held])) and torch.equal(ref[~held], tri[~held])
+    if bool(held.any()):
+        assert_close_rows(ref[held], tri[held])
+
+
+def test_all_experts_as_a_subset_is_the_full_op_bit_for_bit(subset_case):
+    c = subset_case
+    sub, ids = stack(c["routed"], list(range(8)))
+    out = moe_grouped_ffn(c["x"], c["idx"], c["w"], sub, c["shared"], LIMIT, expert_ids=ids, impl="triton")
+    assert torch.equal(out, c["full"])
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_partition_of_the_experts_sums_to_the_full_op(subset_case, broken):
+    """Each pair's expert output is the same bits in every launch (it does not depend on the other rows), so the
+    partition's sum differs from the full op only by the order of <= k + 1 fp32 additions per element: <= 1e-6
+    relative per row. Broken: one part computed without its last expert."""
+    c = subset_case
+    parts = [[0, 2, 4, 6], [7, 3], [1, 5]]
+    if broken:
+        parts[0] = parts[0][:-1]
+    y = torch.zeros_like(c["full"])
+    for j, part in enumerate(parts):
+        sub, ids = stack(c["routed"], part)
+        y = y + moe_grouped_ffn(c["x"], c["idx"], c["w"], sub, c["shared"] if j == 0 else None, LIMIT,
+                                expert_ids=ids, impl="triton")
+    err = row_errors(c["full"], y)
+    if broken:
+        assert float(err.max()) > 1e-3
+    else:
+        assert float(err.max()) <= 1e-6
+
+
+def test_float64_subset_is_the_per_expert_sum_bit_for_bit(subset_case):
+    """The reference subset (float64, the oracle mode) == an explicit loop over the held experts in ascending id;
+    a partition's sum == the full op to float64 rounding (1e-12 relative per row)."""
+    c = subset_case
+    x, idx, w = c["x"].double(), c["idx"], c["w"].double()
+    sub, ids = stack(c["routed"], SUBSETS["some-ragged"])
+    out = moe_grouped_ffn(x, idx, w, sub, None, LIMIT, expert_ids=ids)
+    xq = act_qdq(x)
+    loop = torch.zeros_like(xq)
+    for e in sorted(SUBSETS["some-ragged"]):
+        rows, slot = torch.nonzero(idx == e, as_tuple=True)
+        dense = tuple(t.double() for t in dense_mxfp4_expert(c["routed"], e))
+        loop.index_add_(0, rows, expert_ffn_reference(xq[rows], dense, w[rows, slot], LIMIT))
+    assert out.dtype == torch.float64 and torch.equal(out, loop)
+    full = moe_grouped_ffn(x, idx, w, c["routed"], None, LIMIT)
+    rest, rest_ids = stack(c["routed"], [e for e in range(8) if e not in SUBSETS["some-ragged"]])
+    y = out + moe_grouped_ffn(x, idx, w, rest, None, LIMIT, expert_ids=rest_ids)
+    assert float(row_errors(full, y).max()) <= 1e-12
 
 
 @pytest.mark.gpu

@@ -4,8 +4,8 @@ CPU grid (kernels interpreted), named ``N<tokens>-E<experts>k<top-k>-D<width>-I<
 tokens 1, 3, 17; K split into ragged pieces: D = 192 is 3 K steps of 64 (split 2: 2 + 1; split 3: 1 + 1 + 1),
 D = 320 is 5 (split 4: 2 + 2 + 1 + an empty split), I = 96 is 1.5 steps (the second half-masked), I = 64
 under split 3 is 1 + two empty splits; unused experts (one token, top-2 of 8: 6 unused) and moe_align's unused blocks;
-a w2 launch left unsplit under a split w1/w3 (w1); the shipped 32 x 64 tiles (N1) and 64 x 64 ones (fewer
-interpreted programs).
+a w2 launch left unsplit under a split w1/w3 (w1); 32-row N tiles (N1), 64-row ones with 1, 2 or 4 token tiles
+per chunk (an expert with more tiles than a chunk loops over chunks).
 GPU (``-m gpu``): the flash-16e geometry at 1 / 8 / 64 tokens for splits 2, 4, 8, 16.
 
 Tolerance: the reference's (tests/kernels/test_moe_grouped_gemm.py): split-K changes only the order of the
@@ -28,19 +28,27 @@ import triton.language as tl
 from flashtier.kernels.moe import grouped_gemm_kernel as gemm_mod
 from flashtier.kernels.quant.e2m1 import _e2m1_to_f32
 from flashtier.kernels.quant.fp8_bits import _e4m3_to_f32
-from flashtier.kernels.moe.grouped_gemm_kernel import MoEGemmConfig, _e2m1_as_e4m3, launch_moe_gemm
+from flashtier.kernels.moe.gemm_config import MoEFfnConfig
+from flashtier.kernels.moe.grouped_gemm_kernel import TOKEN_TILE, MoEGemmConfig, _e2m1_as_e4m3, launch_moe_gemm
 from flashtier.kernels.moe.align import moe_align
 from flashtier.kernels.moe.grouped_gemm import moe_grouped_ffn
 from flashtier.kernels.moe.grouped_gemm_reference import dense_fp8_expert, dense_mxfp4_expert
 from .test_moe_grouped_gemm import assert_close_rows, make_case, make_experts, row_errors
 
 LIMIT = 10.0
-SHIPPED_TILES = dict(block_n=32, block_k=64)
-WIDE_TILES = dict(block_n=64, block_k=64)  # fewer interpreted programs
+NARROW = dict(block_n=32, block_k=64)
+WIDE = dict(block_n=64, block_k=64)
+
+
+def both(**kw) -> MoEFfnConfig:
+    return MoEFfnConfig(MoEGemmConfig(**kw), MoEGemmConfig(**kw))
+
+
 GRID = {  # name: (N, experts, top-k, D, I, config)
-    "N1-E8k2-D192-I96-s2": (1, 8, 2, 192, 96, MoEGemmConfig(split_k=2, **SHIPPED_TILES)),
-    "N3-E8k2-D320-I64-s4w1": (3, 8, 2, 320, 64, MoEGemmConfig(split_k=4, split_k_w2=1, **WIDE_TILES)),
-    "N17-E8k2-D192-I64-s3": (17, 8, 2, 192, 64, MoEGemmConfig(split_k=3, **WIDE_TILES)),
+    "N1-E8k2-D192-I96-s2": (1, 8, 2, 192, 96, both(split_k=2, **NARROW)),
+    "N3-E8k2-D320-I64-s4w1": (3, 8, 2, 320, 64, MoEFfnConfig(MoEGemmConfig(split_k=4, sub_tiles=2, **WIDE),
+                                                           MoEGemmConfig(split_k=1, **WIDE))),
+    "N17-E8k2-D192-I64-s3": (17, 8, 2, 192, 64, both(split_k=3, sub_tiles=1, **WIDE)),
 }
 
 
@@ -117,14 +125,15 @@ def test_w2_stage_alone_is_tight():
     n, e, k, d, i = 9, 8, 2, 64, 96
     routed, shared = make_experts(e, d, i, seed=3)
     _, idx, _ = make_case(n, e, k, d, i, seed=3)
-    cfg = MoEGemmConfig(split_k=2)
-    bm = cfg.block_m
+    cfg = MoEGemmConfig(split_k=2, sub_tiles=1)
+    bm = TOKEN_TILE
     al = moe_align(idx, e, bm, impl="reference")
     n_r = al.sorted_ids.numel()
     act = torch.randn(n_r + bm * (-(-n // bm)), i).to(torch.bfloat16)
     out = launch_moe_gemm(act, torch.full((n * k + n, d), float("nan")), (routed.w2_codes, routed.w2_scales),
                           (shared.w2_codes, shared.w2_scales), gated=False, ids=al.sorted_ids,
-                          block_expert=al.block_expert, n_tok=n, top_k=k, k_r=i, k_s=i, n_r=d, n_s=d, config=cfg)
+                          block_expert=al.block_expert, first_block=al.first_block, n_tok=n, top_k=k, k_r=i, k_s=i,
+                          n_r=d, n_s=d, config=cfg)
     ref = torch.empty(n * k + n, d)
     for row, f in enumerate(al.sorted_ids.tolist()):
         if f < n * k:
@@ -159,7 +168,7 @@ def test_e2m1_as_e4m3_decodes_to_the_e2m1_values():
 
 
 @pytest.mark.parametrize("field,value", [("split_k", 0), ("split_k", 65), ("split_k", True), ("split_k", 2.0),
-                                         ("split_k_w2", 0)])
+                                         ("sub_tiles", 3), ("block_n", 48)])
 def test_bad_split_raises(field, value):
     with pytest.raises(ValueError, match=field):
         MoEGemmConfig(**{field: value})
@@ -174,7 +183,7 @@ def test_real_geometry_gpu(split):
     e, k, d, i = 16, 6, 5120, 2304
     routed, shared = make_experts(e, d, i, device="cuda")
     x, idx, w = make_case(64, e, k, d, i, device="cuda")
-    cfg = MoEGemmConfig(split_k=split)
+    cfg = both(split_k=split)
     for n in (1, 8, 64):
         out = run(x[:n], idx[:n], w[:n], routed, shared, cfg)
         ref = moe_grouped_ffn(x[:n], idx[:n], w[:n], routed, shared, LIMIT, impl="reference")

@@ -11,6 +11,9 @@ the protocol level:
   ends with "length" at ``max_tokens``, with "stop" at the EOS id (not emitted, reported as
   ``stop_token_id``) or at one of ``stop_token_ids``, or when its script runs out (as if EOS);
 - ``abort`` (and cancelling the iteration) ends the request with "abort" and is recorded;
+- with ``hold_after`` = k, a request stops after its k-th output and waits (``holding`` lists it) until
+  ``release()``, an abort, ``shutdown`` or the cancellation of its iteration: a request that is certainly
+  in flight, for as long as the test wants (the drain tests), with no timer;
 - ``stats`` counts like the engine: prompt/generation tokens, prefix-cache queries/hits.
 
 Prefix caching is modelled: prompt tokens covered by whole blocks shared with an earlier prompt
@@ -62,7 +65,8 @@ class ScriptedEngineClient:
 
     def __init__(self, script: Script = (), *, eos_token_id: int = 1, max_model_len: int = 8192,
                  vocab_size: int = 129280, tokens_per_step: int = 1, step_delay_s: float = 0.0,
-                 max_active: int | None = None, ready: bool = True, block_size: int = 64) -> None:
+                 max_active: int | None = None, ready: bool = True, block_size: int = 64,
+                 hold_after: int | None = None) -> None:
         self.script: Script = script
         self._eos = eos_token_id
         self._max_model_len = max_model_len
@@ -72,6 +76,9 @@ class ScriptedEngineClient:
         self.max_active = max_active
         self.ready = ready
         self.block_size = block_size
+        self.hold_after = hold_after  # outputs a request makes before it holds until release() (None: never)
+        self.on_hold: Callable[[str], None] | None = None  # called (on the loop) as a request starts holding
+        self._holds: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
         self.tier_stats: dict[str, float] = {}  # reported as EngineStats.tiers
         self.calls: list[GenerateCall] = []
         self.aborted: list[str] = []  # ids passed to abort()
@@ -122,6 +129,7 @@ class ScriptedEngineClient:
             self.aborted.append(request_id)
             if request_id in self._active:
                 self._abort_requested.add(request_id)
+                self._wake(request_id)
             self._changed.notify_all()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -129,6 +137,8 @@ class ScriptedEngineClient:
             self.shutdown_calls.append(timeout)
             self.ready = False
             self._abort_requested |= self._active
+            for request_id in list(self._holds):
+                self._wake(request_id)
             self._changed.notify_all()
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -159,6 +169,46 @@ class ScriptedEngineClient:
     def num_active(self) -> int:
         with self._lock:
             return len(self._active)
+
+    @property
+    def holding(self) -> list[str]:
+        """Ids of the requests now held (``hold_after``)."""
+        with self._lock:
+            return list(self._holds)
+
+    def release(self) -> None:
+        """Stop holding (``hold_after`` = None) and let every held request go on. Any thread."""
+        with self._changed:
+            self.hold_after = None
+            for request_id in list(self._holds):
+                self._wake(request_id)
+            self._changed.notify_all()
+
+    def _wake(self, request_id: str) -> None:
+        """Resolve a held request's future on its loop (callers hold the lock)."""
+        held = self._holds.pop(request_id, None)
+        if held is not None:
+            loop, fut = held
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+    async def _hold(self, request_id: str, outputs: int) -> None:
+        """Wait until woken, unless (checked under the lock, as release() and abort() set them) holding ended
+        meanwhile or the request is being aborted."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._changed:
+            if self.hold_after is None or outputs < self.hold_after or request_id in self._abort_requested:
+                return
+            self._holds[request_id] = (loop, fut)
+            self._changed.notify_all()
+        if self.on_hold is not None:
+            self.on_hold(request_id)
+        try:
+            await fut
+        finally:
+            with self._changed:
+                self._holds.pop(request_id, None)
+                self._changed.notify_all()
 
     # ---- the token source -------------------------------------------------------------------------------
 
@@ -223,8 +273,11 @@ class ScriptedEngineClient:
         stop_ids = set(params.stop_token_ids)
         first_token: float | None = None
         finished = False
+        outputs = 0
         try:
             while True:
+                if self.hold_after is not None and outputs >= self.hold_after:
+                    await self._hold(request_id, outputs)
                 await asyncio.sleep(self.step_delay_s)
                 now = time.monotonic()
                 if request_id in self._abort_requested:
@@ -276,6 +329,7 @@ class ScriptedEngineClient:
                         generation_tokens=self._stats.generation_tokens + new_tokens,
                     )
                 finished = all(d is not None for d in done)
+                outputs += 1
                 yield RequestOutput(request_id, len(prompt), tuple(deltas), finished=finished, cache=cache,
                                     times=RequestTimes(arrival, arrival, first_token, now if finished else None))
                 if finished:

@@ -335,16 +335,13 @@ def test_cached_tokens_and_prompt_cache_key_salt(server):
 
 def test_prompt_cache_key_isolates_the_real_prefix_cache(tokenizer, tmp_path):
     """The real engine (tiny random weights, its real prefix cache): a key hits only its own entries."""
-    from flashtier.engine.async_engine import AsyncEngine
     from flashtier.engine.config import EngineConfig
-    from flashtier.engine.engine import Engine
-    from flashtier.engine.model.config import preset
-    from flashtier.engine.model.init import random_model
     from flashtier.kvstore.config import KVStoreConfig
 
-    engine = Engine(random_model(preset("tiny"), seed=0, with_dspark=False),
-                    EngineConfig(max_num_batched_tokens=256), KVStoreConfig(block_size=16, num_blocks=400))
-    with run_server(tokenizer, AsyncEngine(engine).start(), kv_dir=str(tmp_path)) as server:
+    from .engine_core_support import tiny_engine_core
+
+    engine = tiny_engine_core(EngineConfig(max_num_batched_tokens=256), KVStoreConfig(block_size=16, num_blocks=400))
+    with run_server(tokenizer, engine, kv_dir=str(tmp_path)) as server:
         client = server.openai()
 
         def cached(key):

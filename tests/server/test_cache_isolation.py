@@ -17,15 +17,12 @@ import httpx
 import openai
 import pytest
 
-from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
-from flashtier.engine.engine import Engine
-from flashtier.engine.model.config import preset
-from flashtier.engine.model.init import random_model
 from flashtier.kvstore.config import KVStoreConfig
 from flashtier.server.serving.state import tenant_salt
 
 from .conftest import LiveServer, run_server
+from .engine_core_support import tiny_engine_core
 
 MODEL = "flashtier-tiny"
 KEYS = ("key-tenant-a", "key-tenant-b")
@@ -35,9 +32,8 @@ PROMPT = [{"role": "user", "content": "Summarise the history of the river valley
 
 @contextmanager
 def real_server(tokenizer, **overrides) -> Iterator[LiveServer]:
-    engine = Engine(random_model(preset("tiny"), seed=0, with_dspark=False),
-                    EngineConfig(max_num_batched_tokens=256), KVStoreConfig(block_size=16, num_blocks=400))
-    with run_server(tokenizer, AsyncEngine(engine).start(), api_key=KEYS, **overrides) as server:
+    engine = tiny_engine_core(EngineConfig(max_num_batched_tokens=256), KVStoreConfig(block_size=16, num_blocks=400))
+    with run_server(tokenizer, engine, api_key=KEYS, **overrides) as server:
         yield server
 
 

@@ -14,14 +14,11 @@ import anthropic
 import jsonschema
 import pytest
 
-from flashtier.engine.async_engine import AsyncEngine
 from flashtier.engine.config import EngineConfig
-from flashtier.engine.engine import Engine
-from flashtier.engine.model.config import preset
-from flashtier.engine.model.init import random_model
 from flashtier.kvstore.config import KVStoreConfig
 
 from .conftest import run_server
+from .engine_core_support import tiny_engine_core
 
 MODEL = "flashtier-tiny"
 pytestmark = pytest.mark.slow  # the CPU model runs every grammar token (all requests at once: ``answers``)
@@ -41,9 +38,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK, "get_unit": UNIT}
 
 @pytest.fixture(scope="module")
 def real(tokenizer):
-    engine = Engine(random_model(preset("tiny"), seed=0, with_dspark=False),
-                    EngineConfig(max_num_batched_tokens=512, max_num_seqs=64), KVStoreConfig(block_size=16, num_blocks=800))
-    client = AsyncEngine(engine).start()
+    client = tiny_engine_core(EngineConfig(max_num_batched_tokens=512, max_num_seqs=64),
+                              KVStoreConfig(block_size=16, num_blocks=800))
     with run_server(tokenizer, client, max_n=32) as server:
         yield server
 

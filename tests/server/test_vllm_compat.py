@@ -268,12 +268,10 @@ def test_startup_summary(tmp_path):
     s = build_settings(_ns("--kv-dir", str(tmp_path), "--kv-disk-budget", "2T", "--kv-lifetime", "72h", "--redis-url",
                            "redis://user:s3cret@10.0.0.5:6379/0", "--snapshot-ttl", "5m", "--host", "0.0.0.0",
                            "--api-key", "k", "--device", "cpu"), {})
-    layout = SimpleNamespace(block_bytes=4096, block_size=64)
-    inner = SimpleNamespace(kvm=SimpleNamespace(pool=SimpleNamespace(num_blocks=1000)), layout=layout,
-                            model=SimpleNamespace(device=torch.device("cpu")), config=SimpleNamespace(dtype="float32"))
-    lines = startup_lines(s, SimpleNamespace(engine=inner))
+    summary = "engine: device cpu, dtype float32, HBM pool 1,000 blocks of 64 tokens x 4,096 B = 0.00 GiB"
+    lines = startup_lines(s, SimpleNamespace(engine_summary=lambda: summary))  # the engine-core client's line
     assert lines[0].startswith("demo model: ")
-    assert lines[1] == "engine: device cpu, dtype float32, HBM pool 1,000 blocks of 64 tokens x 4,096 B = 0.00 GiB"
+    assert lines[1] == summary
     assert lines[2] == f"SSD tier: {tmp_path} (budget 2T, lifetime 72h)"
     assert lines[3] == "snapshot pool: redis://user:***@10.0.0.5:6379/0, TTL 5m" and "s3cret" not in " ".join(lines)
     assert lines[4] == "API: http://0.0.0.0:8000/v1 (API key required)"
