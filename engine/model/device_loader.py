@@ -9,7 +9,8 @@ expert (FP8) one ``ExpertWeights``; everything else (bf16 / fp32 tensors) is deq
 dtype. The Engram tables stay in host memory in their stored form (``host_engram``, default on for CUDA;
 engram_offload.py): a loaded table is a shared read-only mapping of its checkpoint bytes, one copy per host
 whatever the number of ranks (engram_table.py); otherwise they are dequantised like the rest. Tensors are
-read by byte range (sharded_reader.py). Peak extra memory while loading: one MoE layer's stored expert bytes.
+read by byte range (sharded_reader.py). Peak extra memory while loading: one MoE layer's stored expert bytes
+(with expert parallelism: the rank's experts in float, converted at the end; see ``load_parts_``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,21 @@ def place_in_formats_(model: Transformer, device: torch.device | str, *, host_en
     the Engram tables into host memory (``host_engram``: None = on for CUDA), then the rest moved there.
     Returns ``model``."""
     convert_experts_(model, device)
-    for module in list(model.modules()):  # a sharded model's ExpertParallelMoE blocks convert their own experts
-        if callable(getattr(module, "convert_experts_", None)):  # (by name: engine/model may not import parallel)
-            module.convert_experts_(device)
+    _convert_sharded_experts_(model, device)
     quantize_linears_(model, device)
     if wants_host_tables(host_engram, device):
         tables_to_host_(model, device)
     return model.to(device)
+
+
+def _convert_sharded_experts_(model: nn.Module, device: torch.device | str) -> int:
+    """Put the experts of every module of ``model`` that converts its own (``convert_experts_(device)``: a
+    sharded model's expert-parallel blocks) into their stored formats on ``device``, in place; returns the
+    bytes now resident for them. Matched by the method's name: engine/model may not import engine/parallel.
+    Shared by ``place_in_formats_`` and ``load_parts_`` so that both paths give the same modules, bit for bit.
+    A module already converted is left as it is; ValueError (from the module) on unequal expert shapes."""
+    return sum(module.convert_experts_(device) for module in list(model.modules())
+               if callable(getattr(module, "convert_experts_", None)))
 
 
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -99,11 +108,17 @@ def load_parts_(
     ``expected``: logical name -> shape of the WHOLE model (validated against the headers first, see
     ``sharded_reader.read_slices``). With ``formats`` the weights take their stored formats on ``device``:
     FP8 linears outside the MoE become ``Fp8Linear`` from the stored codes, an unsharded ``MoE``'s experts one
-    ``ExpertWeights`` from the stored MXFP4 / FP8 bytes; every other parameter (sharded experts included: their
-    modules compute on float weights) is dequantised into the parameter's dtype. The Engram tables, with
-    ``host_engram`` (None = on for CUDA), are mapped from the files instead of read (``_map_tables``).
+    ``ExpertWeights`` from the stored MXFP4 / FP8 bytes; every other parameter is dequantised into the
+    parameter's dtype. Sharded experts are read that way too; then, once every tensor is set, the modules that
+    convert their own experts (expert-parallel blocks) do so on ``device`` exactly as ``place_in_formats_``
+    does (``_convert_sharded_experts_``; the stored values are exact in the float dtype, so the re-quantisation
+    gives the stored codes back). Until then the rank's float experts are on ``device``: with expert
+    parallelism the load's peak is those, not one MoE layer's stored bytes. Tensor-parallel experts stay float
+    (their modules compute on float weights). The Engram tables, with ``host_engram`` (None = on for CUDA),
+    are mapped from the files instead of read (``_map_tables``).
     Mutates and returns ``model`` (eval mode). Raises CheckpointError (a ValueError) before reading anything
-    when the checkpoint does not match ``expected``, and ValueError when a tensor is left unset.
+    when the checkpoint does not match ``expected``, and ValueError when a tensor is left unset (checked before
+    any conversion, so no unset tensor can hide inside a converted module).
     """
     device, reader = torch.device(device), CheckpointReader(model_dir)
     wformats = weight_formats(model)
@@ -146,6 +161,8 @@ def load_parts_(
     if left or pending:
         raise ValueError(f"{reader.directory}: the checkpoint left {len(left)} tensors unset (e.g. {left[:3]}) and "
                          f"{len(pending)} MoE layers incomplete")
+    if formats:
+        _convert_sharded_experts_(model, device)
     return model.eval()
 
 

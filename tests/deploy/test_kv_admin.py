@@ -212,6 +212,7 @@ def test_a_server_cannot_start_while_a_wipe_holds_the_directory(tier):
 
 def test_bad_directories_are_one_line_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("FLASHTIER_KV_DIR", raising=False)
+    monkeypatch.setenv("FLASHTIER_CACHE_DIR", str(tmp_path / "cache"))  # the default directory: surely absent
     code, _, err = run(capsys, "stats")
     assert code == 2 and "--kv-dir" in err and err.count("\n") == 1
     code, _, err = run(capsys, "verify", "--kv-dir", str(tmp_path / "missing"))

@@ -13,14 +13,21 @@ process per rank (parallel_worker.fork_ranks); each rank
 
 Tolerances against the one-process model (relative: max |a - b| / max |b|). float64: bit-identical (0.0;
 the products of a split dot product are exact in float64, see test_parallel_forward.py). float32: the
-split changes the summation order of the TP all-reduces, FP32_TOL = 1e-5 (measured 2.2e-7). bf16 weights
-in their stored formats (FP8 linears as ``Fp8Linear``, the Engram tables mapped from the files: the CUDA
-path, run on the CPU): each rank's partial sums are rounded to bf16 before the all-reduce, and FP8
-activation rounding turns such differences into whole code steps, so against the one-process bf16 model
-only the greedy tokens and BF16_TOL = 0.25 hold (measured 0.16; a wrong slice gives errors of order 1, as
-in test_geometry_slice.py). The tight claim there is another: the loaded rank model equals
-``place_in_formats_`` of the whole-then-sharded model (parameters, buffers, host tables, module classes)
-and its logits equal that model's, bit for bit; float32 checks the same.
+split changes the summation order of the TP all-reduces, FP32_TOL = 1e-5 (measured 2.2e-7).
+
+Weights in their stored formats (``formats=True``: FP8 linears as ``Fp8Linear``, the EP ranks' experts as
+MXFP4 ``RankExperts``, the Engram tables mapped from the files: the CUDA path, run on the CPU), float32 and
+bf16. The tight claim: the loaded rank model equals ``place_in_formats_`` of the whole-then-sharded model
+(parameters, buffers, host tables, module classes) and its logits equal that model's, bit for bit. The
+one-process reference is ``place_in_formats_`` of the whole model (the float model is no reference there:
+in bf16 the placed model's logits differ from it by 1.5 relative on this tiny random model). float32:
+greedy tokens equal and FP32_TOL (measured 2.2e-7). bf16: each rank's partial sums are rounded to bf16
+before the all-reduce, and FP8 activation rounding and the top-k routing turn such differences into whole
+code steps or another expert, so the logits move by up to 0.36 relative (measured: 1.4 absolute at the
+prefill, logits up to 4.0; TP 2 alone: 0.10), more than the reference's top-1 margins (0.07 at the
+prefill, 0.006 at decode step 2): greedy tokens do not hold and only the bound BF16_TOL = 0.5 is asserted
+(it catches NaNs, zeros or a layer dropped; it does not tell a wrong slice from rounding, which the
+bit-for-bit comparison and the float cases do).
 
 A deliberately broken load (rank 0 reads layer 3's query rows one head too far on) must be caught by both
 the parameter comparison and the logits.
@@ -60,7 +67,7 @@ MANY_EXPERTS = {
 }
 DECODE_STEPS = 3
 FP32_TOL = 1e-5
-BF16_TOL = 0.25
+BF16_TOL = 0.5
 BROKEN_LAYER = 1
 
 
@@ -161,19 +168,26 @@ def rank_main(rank: int, whole: Transformer, ckpt: Path, mode: str, job: Job) ->
 
 
 class Case:
-    """The checkpoint, today's whole model of it in ``dtype`` and its one-process logits (computed on demand)."""
+    """The checkpoint, today's whole model of it in ``dtype`` (what the ranks shard) and the one-process
+    reference: that model, or with ``formats`` a second copy put in its stored formats (``place_in_formats_``,
+    what one process runs on the device), and the reference's greedy run (computed on demand)."""
 
-    def __init__(self, ckpt: Path, dtype: torch.dtype):
+    def __init__(self, ckpt: Path, dtype: torch.dtype, formats: bool = False):
         self.ckpt, self.dtype = ckpt, dtype
         self.whole = load_model(ckpt, dtype=dtype, progress=False, with_dspark=False)
         if dtype == torch.float64:
             self.whole = self.whole.double()
+        self.reference = self.whole
+        if formats:  # a copy: the ranks shard (and place) self.whole themselves
+            self.reference = place_in_formats_(load_model(ckpt, dtype=dtype, progress=False, with_dspark=False),
+                                               "cpu", host_engram=True)
         self._run: tuple | None = None
 
     def run(self) -> tuple[list[int], list[int], torch.Tensor]:
+        """The reference's greedy run: (prompt, the decode steps' input tokens, logits [1 + DECODE_STEPS, V])."""
         if self._run is None:
             prompt = [t % MANY_EXPERTS["vocab_size"] for t in random_prompt(40, seed=41)]
-            tokens, logits = greedy_generate(IncrementalModel(self.whole), prompt, 1 + DECODE_STEPS)
+            tokens, logits = greedy_generate(IncrementalModel(self.reference), prompt, 1 + DECODE_STEPS)
             self._run = (prompt, tokens[:-1], torch.stack(logits))
         return self._run
 
@@ -192,12 +206,12 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cases(checkpoint):
-    made: dict[torch.dtype, Case] = {}
+    made: dict[tuple[torch.dtype, bool], Case] = {}
 
-    def get(dtype: torch.dtype) -> Case:
-        if dtype not in made:
-            made[dtype] = Case(checkpoint, dtype)
-        return made[dtype]
+    def get(dtype: torch.dtype, formats: bool = False) -> Case:
+        if (dtype, formats) not in made:
+            made[(dtype, formats)] = Case(checkpoint, dtype, formats)
+        return made[(dtype, formats)]
 
     return get
 
@@ -247,12 +261,20 @@ def test_float32_forward_within_tolerance(cases, tmp_path):
     assert max(errs) <= FP32_TOL
 
 
-def test_stored_formats_equal_placement_and_forward_within_tolerance(cases, tmp_path):
-    case = cases(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_stored_formats_equal_placement_and_forward_within_tolerance(dtype, cases, tmp_path):
+    case = cases(dtype, formats=True)  # the reference: the one-process model, placed in its stored formats
     results = case.ranks(ParallelConfig(**SPLITS["tp2_ep2"]), tmp_path, mode="formats", forward=True)
     assert [r["differ"] for r in results] == [[]] * len(results)
     assert all(_same(r["logits"], r["today"]) for r in results)
-    errs = _logit_errors(case, results)
+    if dtype == torch.float32:
+        errs = _logit_errors(case, results)  # greedy tokens equal too
+        print(f"tp2_ep2: float32 stored formats relative error per rank {errs}")
+        assert max(errs) <= FP32_TOL
+        return
+    # bf16: the split's roundings move logits by more than the reference's top-1 margins (module docstring),
+    # so only a bound holds against one process; greedy is not asserted
+    errs = [rel_err(r["logits"], case.run()[2]) for r in results]
     print(f"tp2_ep2: bf16 stored formats relative error per rank {errs}")
     assert max(errs) <= BF16_TOL
 

@@ -362,8 +362,14 @@ def phased_cost(engine, clock):
     return steps
 
 
+@pytest.fixture(scope="module")
+def long_plain(model):
+    """Plain decoding's greedy tokens of ``LONG`` (the oracle of both cases below, computed once)."""
+    return run(make(model, spec=0), LONG)
+
+
 @pytest.mark.parametrize("broken", [False, True], ids=["exact", "broken-catch-up"])
-def test_greedy_equal_while_the_controller_switches_draft_lengths(model, broken, monkeypatch):
+def test_greedy_equal_while_the_controller_switches_draft_lengths(model, long_plain, broken, monkeypatch):
     """The goodput controller on a fake clock changes the draft length mid-request (0 -> 1 -> 2 -> 3 -> 1 -> 0,
     with the drafter's rings missing the plain steps' positions and sequences catching up after an odd
     rollback): the greedy tokens equal plain decoding's, with the integrity check after every step. Broken: at
@@ -371,7 +377,7 @@ def test_greedy_equal_while_the_controller_switches_draft_lengths(model, broken,
     the integrity check (or the tokens) catch it."""
     from flashtier.engine.spec import schedule as spec_schedule
 
-    want = run(make(model, spec=0), LONG)
+    want = long_plain
     clock = FakeClock()
     eng = make(model, adaptive=True, clock=clock)
     lengths = phased_cost(eng, clock)
