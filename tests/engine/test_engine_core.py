@@ -108,6 +108,30 @@ def test_a_failed_start_is_one_line(tmp_path):
     assert message.startswith("rank 0 failed to start: ") and "\n" not in message
 
 
+def test_an_engine_core_killed_at_start_up_is_one_line():
+    """SIGKILL while the engine core warms up (it has said so: the phase callback runs then): ``start`` raises
+    one line naming the rank, its pid and the signal, and nothing is left running."""
+    import dataclasses
+
+    from flashtier.engine.parallel.executor import EngineCoreClient
+    from flashtier.engine.parallel.rank_worker import RankSpec
+
+    config = dataclasses.replace(CONFIG, warmup=True, cuda_graph_sizes=(1, 2), max_num_seqs=2)
+    holder: list[EngineCoreClient] = []
+
+    def kill_it(phase: str) -> None:
+        assert phase == "warming up"
+        os.kill(holder[0].worker_pids[0], signal.SIGKILL)
+
+    client = EngineCoreClient(RankSpec(ParallelConfig(), config, KV, 0, 0, threads=1), phase=kill_it)
+    holder.append(client)
+    with pytest.raises(RankStartError) as info:
+        client.start(300)
+    message = str(info.value)
+    assert message == f"rank 0 (pid {client.worker_pids[0]}) exited with signal SIGKILL before its engine was ready"
+    assert not client.ranks.procs[0].is_alive()
+
+
 def test_offline_llm_api():
     from flashtier import LLM, SamplingParams as SP
 
