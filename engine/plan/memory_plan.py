@@ -8,8 +8,9 @@ say so and give their basis::
       weights        each tensor's slice of this rank, in the form it is resident:           exact
                        CUDA, one rank   FP8 linears e4m3 + e8m0 (32x32 re-gridded on the slice), routed
                                         experts MXFP4, shared expert FP8, the rest in the parameter dtype
-                       CUDA, TP > 1     as above, except every expert (routed and shared) stays float in the
-                                        model dtype: engine/parallel's MoE runs the reference expert math
+                       CUDA, TP + EP    as above (ExpertParallelMoE.convert_experts_: RankExperts + one int64
+                                        id per expert), the shared slice FP8 only on whole 32-blocks
+                       CUDA, TP, no EP  every expert float in the model dtype (TensorParallelMoE's slices)
                        CPU / float64    every weight float (model dtype; fp32-kept parameters fp32)
                      split (engine/parallel): wq_b / attn_sink / wo_a rows and wo_b columns by the rank's output
                      groups, embed / head rows by vocabulary, routed experts whole by --expert-parallel (else each
@@ -21,11 +22,15 @@ say so and give their basis::
       CUDA graphs    buckets (<= MAX_GRAPHS) x their static outputs + one decode step's activations          estimate
       activations    one step of --max-num-batched-tokens tokens (formula in ``activation_bytes``)          estimate
       CUDA runtime   context, kernel modules, cuBLAS workspace (+ NCCL buffers with several ranks)          estimate
-      loading        the transient above the resident weights while the model is built (``_load_peak``)    exact
+      loading        the peak while the model is built, by path (``_load_peak``): the demo draws the whole
+                     float model on each device; a checkpoint is read by byte range, under EP the rank's
+                     experts float until their blocks convert them                                         exact
     per host
-      Engram tables  pinned host memory, in the checkpoint's fp8 rows; torch's pinned allocator rounds each
-                     block up to a power of two; one copy per rank process                                  exact
+      Engram tables  in the checkpoint's fp8 rows. A checkpoint's: mapped from the files, one copy per host
+                     (shared page cache, registered in place, nothing rounded); the demo's: pinned by each
+                     rank process, torch's allocator rounding each block up to a power of two              exact
       staging        pinned Engram gather staging, the SSD restore buffers, the embedded snapshot pool       bound
+      loading        a checkpoint: + one tensor in flight per rank (stored + fp32 + model dtype)            bound
 
 Pure: reads no tensor data and allocates nothing on a device (the caller measures the cards and the host
 and passes the sizes in). ``check_fit`` compares a plan with those sizes.
@@ -206,15 +211,27 @@ class _Residency:
     dtype_bytes: int  # the model's parameter dtype
     float64: bool
     formats: bool  # quantised formats kept on the device (CUDA in bf16 / fp32)
-    expert_formats: bool  # experts too (one rank: the grouped MXFP4 kernels; TP > 1 keeps them float)
+    expert_formats: bool  # routed experts in MXFP4: one rank (ExpertWeights) or expert parallelism (RankExperts)
+    expert_parallel: bool  # the experts are ExpertParallelMoE blocks (world > 1 with --expert-parallel)
     host_engram: bool  # the Engram tables in host memory (CUDA)
+    checkpoint: bool  # a checkpoint is loaded by byte range (MODEL_DIR); else the preset's demo weights are drawn
 
     @staticmethod
-    def of(engine: EngineConfig, world: int) -> _Residency:
+    def of(engine: EngineConfig, par: ParallelConfig) -> _Residency:
         cuda = engine.device.startswith("cuda")
         formats = cuda and engine.dtype != "float64"
+        ep = par.world_size > 1 and par.expert_parallel
+        # TensorParallelMoE has no stored form (its SlicedExperts compute on float weights); ExpertParallelMoE
+        # converts its own experts (convert_experts_), on both paths: place_in_formats_ after the demo's draw,
+        # load_parts_ once a checkpoint's tensors are set
         return _Residency("cuda" if cuda else "cpu", _DTYPE_BYTES[engine.dtype], engine.dtype == "float64",
-                          formats, formats and world == 1, cuda)
+                          formats, formats and (par.world_size == 1 or ep), ep, cuda, engine.model_dir is not None)
+
+    def shared_fp8(self, width: int) -> bool:
+        """The shared expert's slice of ``width`` rows is held in FP8: one rank, or expert parallelism with the
+        slice on whole 32-blocks (``ExpertParallelMoE.convert_experts_``; even slices start at a multiple of
+        their width); otherwise it stays a float ``SlicedExpert``."""
+        return self.expert_formats and (not self.expert_parallel or width % 32 == 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +289,13 @@ def _local_shape(t: TensorSpec, split: _Split, cfg: ModelConfig, par: ParallelCo
     return tuple(shape)
 
 
+def _expert_stored(t: TensorSpec, shape: tuple[int, ...], res: _Residency) -> bool:
+    """True when the expert matrix ``t`` (slice ``shape``) is held in its stored format on the device."""
+    if t.part == Part.ROUTED:
+        return res.expert_formats
+    return res.shared_fp8(shape[1] if t.name.endswith("w2.weight") else shape[0])  # the slice's width
+
+
 def _resident_bytes(t: TensorSpec, shape: tuple[int, ...], res: _Residency) -> int:
     """Device bytes of ``t``'s slice ``shape`` as the engine holds it."""
     fmt = t.fmt
@@ -279,41 +303,71 @@ def _resident_bytes(t: TensorSpec, shape: tuple[int, ...], res: _Residency) -> i
         return t.nbytes * math.prod(shape) // max(1, math.prod(t.shape))
     if fmt is StorageFormat.FP32:
         return math.prod(shape) * (8 if res.float64 else 4)
-    is_expert = t.part in (Part.ROUTED, Part.SHARED)
-    if fmt.quantized and res.formats and (res.expert_formats or not is_expert):
+    part = t.part
+    stored = _expert_stored(t, shape, res) if part in (Part.ROUTED, Part.SHARED) else res.formats
+    if fmt.quantized and stored:
         # an FP8 slice is re-quantised on its own 32x32 grid (Fp8Linear.from_float); an Fp8Linear also keeps its
         # GEMM's split-K counters, one int32 per 16 output rows (fp8_linear.py)
-        counters = 4 * max(1, -(-shape[0] // 16)) if fmt is StorageFormat.FP8 and not is_expert else 0
+        counters = 4 * max(1, -(-shape[0] // 16)) if fmt is StorageFormat.FP8 and part not in (
+            Part.ROUTED, Part.SHARED) else 0
         return stored_bytes(fmt, shape) + counters
     return math.prod(shape) * res.dtype_bytes
 
 
 def rank_weights(inv: Inventory, engine: EngineConfig, par: ParallelConfig, rank: int) -> dict[str, int]:
     """Weight bytes on ``rank``'s device per ``Part`` (the Engram tables only when they stay on the device)."""
-    return _rank_weights(inv, _splits(inv), _Residency.of(engine, par.world_size), par, rank)
+    return _rank_weights(inv, _splits(inv), _Residency.of(engine, par), par, rank).parts
 
 
 def _splits(inv: Inventory) -> list[_Split]:
     return [_split_of(t, inv.config) for t in inv.tensors]
 
 
+@dataclass(frozen=True, slots=True)
+class _RankWeights:
+    """One rank's weight bytes per ``Part``, and what its expert-parallel blocks convert while a checkpoint
+    loads (load_parts_ reads every expert as float first, then each block converts its own)."""
+
+    parts: dict[str, int]
+    converted_float: int = 0  # the converted experts (routed + shared slices) as read: float, model dtype
+    converted_stored: int = 0  # the same experts in their stored formats (counted in ``parts``)
+    largest_layer_stored: int = 0  # one block's stored experts (what one conversion allocates)
+
+
 def _rank_weights(inv: Inventory, splits: list[_Split], res: _Residency, par: ParallelConfig,
-                  rank: int) -> dict[str, int]:
+                  rank: int) -> _RankWeights:
     out = dict.fromkeys(Part.ORDER, 0)
+    layers: dict[str, int] = {}
+    floats = 0
     for t, split in zip(inv.tensors, splits):
         part = t.part
         if part == Part.ENGRAM_TABLE and res.host_engram:
             continue
         shape = _local_shape(t, split, inv.config, par, rank)
-        if shape is not None:
-            out[part] += _resident_bytes(t, shape, res)
-    return out
+        if shape is None:
+            continue
+        nbytes = _resident_bytes(t, shape, res)
+        out[part] += nbytes
+        if res.expert_parallel and part in (Part.ROUTED, Part.SHARED) and _expert_stored(t, shape, res):
+            floats += math.prod(shape) * res.dtype_bytes
+            key = t.name.split(".ffn.", 1)[0]
+            layers[key] = layers.get(key, 0) + nbytes
+    if res.expert_parallel and res.expert_formats:
+        # RankExperts keeps its experts' global ids: one int64 each (expert_ids)
+        ids = sum(8 for t, s in zip(inv.tensors, splits) if s.kind == "expert" and t.name.endswith(".w1.weight")
+                  and _local_shape(t, s, inv.config, par, rank) is not None)
+        out[Part.ROUTED] += ids
+        return _RankWeights(out, floats, sum(layers.values()), max(layers.values(), default=0))
+    return _RankWeights(out)
 
 
-def _weight_basis(part: str, res: _Residency, par: ParallelConfig) -> str:
+def _weight_basis(part: str, res: _Residency, par: ParallelConfig, cfg: ModelConfig) -> str:
     tp, ep = par.tensor_parallel_size, par.expert_parallel
+    shared = cfg.moe_intermediate_size * cfg.n_shared_experts // tp  # the slice's rows (validate_for: divisible)
     fmt = {Part.ROUTED: "mxfp4" if res.expert_formats else "float (model dtype)",
-           Part.SHARED: "fp8" if res.expert_formats else "float (model dtype)",
+           Part.SHARED: "fp8" if res.shared_fp8(shared) else (
+               f"float (model dtype): its {shared}-row slice cuts fp8 blocks" if res.expert_formats
+               else "float (model dtype)"),
            Part.ATTENTION: "fp8 linears + fp32 norms" if res.formats else "float",
            Part.VOCAB: "model dtype", Part.OTHER: "fp32 mHC/norms, fp8/bf16 projections" if res.formats else "float",
            Part.ENGRAM_TABLE: "float (model dtype), on the device"}[part]
@@ -408,7 +462,7 @@ def _ring_bytes(cfg: ModelConfig, engine: EngineConfig) -> int:
 
 
 def _float_model_bytes(inv: Inventory, res: _Residency) -> int:
-    """The whole model as float parameters (what the TP path builds before sharding)."""
+    """The whole model as float parameters (what the demo draws on a CUDA device before converting it)."""
     return sum(math.prod(t.shape) * (4 if t.fmt is StorageFormat.FP32 else res.dtype_bytes)
                if t.fmt is not None else t.nbytes for t in inv.tensors)
 
@@ -443,7 +497,7 @@ def build_plan(inputs: PlanInputs) -> MemoryPlan:
     cfg = inv.config
     if par.world_size > 1:
         par.validate_for(cfg, with_dspark=inv.with_dspark)
-    res = _Residency.of(engine, par.world_size)
+    res = _Residency.of(engine, par)
     world, cuda = par.world_size, res.device_type == "cuda"
     context = engine.max_model_len or cfg.max_position_embeddings
     layout = BlockLayout(kv_geometry(cfg), kv.block_size)
@@ -460,8 +514,9 @@ def build_plan(inputs: PlanInputs) -> MemoryPlan:
     num_blocks = pool_basis = None
     splits = _splits(inv)
     for rank in range(world):
-        weights = _rank_weights(inv, splits, res, par, rank)
-        rows = [PlanRow(part, weights[part], _weight_basis(part, res, par), weights=True)
+        held = _rank_weights(inv, splits, res, par, rank)
+        weights = held.parts
+        rows = [PlanRow(part, weights[part], _weight_basis(part, res, par, cfg), weights=True)
                 for part in Part.ORDER if weights[part] or part != Part.ENGRAM_TABLE]
         fixed = []
         if cuda:
@@ -487,26 +542,48 @@ def build_plan(inputs: PlanInputs) -> MemoryPlan:
         rows.append(PlanRow(Row.ACTIVATIONS, act, f"estimate: {basis}", estimate=True))
         resident = sum(r.nbytes for r in rows if r.weights)
         runtime = sum(r.nbytes for r in rows if r.label in (Row.RUNTIME, Row.ENGRAM_DEVICE))
-        if cuda and world > 1 and engine.model_dir is None:
-            peak, load = runtime + float_model, "the whole float model drawn on each device before sharding (demo)"
-        elif cuda and world == 1:
-            moe = _largest_moe_layer(inv)
-            peak, load = runtime + resident + moe, "weights + one MoE layer's stored experts in flight"
-        else:
-            peak, load = runtime + resident, "weights as resident"
+        peak, load = _load_peak(inv, res, world, held, runtime, resident, float_model)
         device = f"cuda:{rank}" if cuda else "cpu"
         ranks.append(RankPlan(rank, device, tuple(rows), peak, load))
-    host_rows, host_peak, host_basis = _host(inputs, res, ranks, staging_rows, row_bytes, float_model)
-    if cuda and world > 1:
-        notes.append("experts stay float (model dtype) at --tensor-parallel-size > 1: engine/parallel runs the "
-                     "reference expert math; in MXFP4 / FP8 they would take "
+    host_rows, host_peak, host_basis = _host(inputs, res, ranks, staging_rows)
+    if cuda and world > 1 and not res.expert_formats and res.formats:
+        notes.append("experts stay float (model dtype) under tensor parallelism without --expert-parallel "
+                     "(TensorParallelMoE has no stored form); in MXFP4 / FP8 they would take "
                      f"{_expert_formats_share(inv, par) / GiB:.1f} GiB per rank")
-    if cuda and world > 1 and res.host_engram:
-        notes.append(f"each of the {world} rank processes pins its own copy of the Engram tables")
+    if cuda and world > 1 and res.host_engram and not res.checkpoint:
+        notes.append(f"the demo weights: each of the {world} rank processes pins its own copy of the Engram "
+                     "tables (a checkpoint's tables are mapped once per host)")
     return MemoryPlan(cfg.name, inv.source, res.device_type, engine.dtype, par.tensor_parallel_size,
                       par.expert_parallel, kv.block_size, layout.block_bytes, num_blocks, pool_basis, context,
                       tuple(ranks), HostPlan(tuple(host_rows), host_peak, host_basis), inputs.gpu_memory,
                       tuple(notes))
+
+
+def _load_peak(inv: Inventory, res: _Residency, world: int, held: _RankWeights, runtime: int, resident: int,
+               float_model: int) -> tuple[int, str]:
+    """(bytes, basis) on a rank's device at the peak of loading, by the path that builds the model:
+
+        CUDA, demo weights      random_model_on_device draws the whole float model (the Engram tables too) on
+                                each device, then shard_model_ / place_in_formats_ (rank_engine, factory)
+        CUDA, checkpoint, EP    load_parts_ reads the rank's experts as float (model dtype), then each block
+                                converts its own: all of them float + the first block's stored form
+        CUDA, checkpoint, else  one rank: one MoE layer's stored experts in flight (load_model_in_formats);
+                                TP without EP: the float slices are what stays
+        CPU                     weights as resident
+    """
+    if res.device_type != "cuda":
+        return runtime + resident, "weights as resident"
+    if not res.checkpoint:
+        return runtime + float_model, ("at least the whole float model, drawn on each device before it is sharded "
+                                       "and converted (demo weights; a checkpoint is read by byte range)")
+    if held.converted_float:
+        peak = runtime + resident - held.converted_stored + held.converted_float + held.largest_layer_stored
+        return peak, (f"weights with the rank's converted experts as read, float ({held.converted_float / GiB:.1f} "
+                      f"GiB), + one block's stored experts (load_parts_ converts after the last tensor; the "
+                      "quantiser's temporaries of one matrix not counted)")
+    if world == 1:
+        return runtime + resident + _largest_moe_layer(inv), "weights + one MoE layer's stored experts in flight"
+    return runtime + resident, "weights as resident (read by byte range, one tensor at a time)"
 
 
 def _largest_moe_layer(inv: Inventory) -> int:
@@ -529,8 +606,8 @@ def _expert_formats_share(inv: Inventory, par: ParallelConfig) -> int:
     return total
 
 
-def _host(inputs: PlanInputs, res: _Residency, ranks: list[RankPlan], staging_rows: int, row_bytes: int,
-          float_model: int) -> tuple[list[PlanRow], int, str]:
+def _host(inputs: PlanInputs, res: _Residency, ranks: list[RankPlan], staging_rows: int
+          ) -> tuple[list[PlanRow], int, str]:
     """The host rows, the host's loading peak and its basis."""
     inv, engine, kv, par = inputs.inventory, inputs.engine, inputs.kv, inputs.parallel
     cfg, world = inv.config, par.world_size
@@ -541,12 +618,8 @@ def _host(inputs: PlanInputs, res: _Residency, ranks: list[RankPlan], staging_ro
                             "memory", estimate=any(r.estimate for r in ranks[0].rows)))
     if res.host_engram:
         tables = [t for t in inv.tensors if t.part == Part.ENGRAM_TABLE]
-        per_copy = sum(pinned_bytes(t.shape[0] * t.shape[1]) + pinned_bytes(t.shape[0] * -(-t.shape[1] // 32))
-                       for t in tables)
         stored = sum(t.nbytes for t in tables)
-        rows.append(PlanRow(Row.ENGRAM_HOST, world * per_copy,
-                            f"{world} x {len(tables)} tables of {stored / GiB:.1f} GiB fp8 rows, pinned blocks "
-                            f"rounded to powers of two"))
+        rows.append(_engram_host_row(tables, res, world, stored))
         staging = len(tables) * 2 * (pinned_bytes(staging_rows * cfg.engram_head_dim)
                                      + pinned_bytes(staging_rows * -(-cfg.engram_head_dim // 32)))
         rows.append(PlanRow(Row.ENGRAM_STAGING, world * staging,
@@ -558,10 +631,34 @@ def _host(inputs: PlanInputs, res: _Residency, ranks: list[RankPlan], staging_ro
         if kv.redis_url is None:
             rows.append(PlanRow(Row.SNAPSHOTS, kv.snapshot_budget_bytes, "bound: its byte budget"))
     total = sum(r.nbytes for r in rows)
-    if res.device_type == "cuda" and world > 1 and engine.model_dir is not None:
-        return rows, total + world * float_model, (
-            f"+ {world} x the whole float model read on the host before sharding (rank_engine.build_rank_model)")
+    if res.device_type == "cuda" and res.checkpoint:
+        # sharded_reader: each rank reads one tensor's covering range at a time, dequantises it to fp32 and
+        # casts it to the model dtype on the host before the copy to its device; the whole tensor bounds a slice
+        one = max((t.nbytes + math.prod(t.shape) * (4 + res.dtype_bytes) for t in inv.tensors
+                   if t.part != Part.ENGRAM_TABLE), default=0)
+        return rows, total + world * one, (
+            f"bound: + {world} x one tensor in flight ({one / GiB:.2f} GiB: stored + fp32 + model dtype); "
+            "the checkpoint is read by byte range, no whole model on the host")
     return rows, total, "as resident"
+
+
+def _engram_host_row(tables: list[TensorSpec], res: _Residency, world: int, stored: int) -> PlanRow:
+    """The Engram tables in host memory. A checkpoint's fp8-row tables are shared read-only mappings of the
+    files (HostTable.map_stored): one copy per host in the page cache, registered in place, nothing rounded.
+    Any other table (the demo's, drawn and moved by tables_to_host_; a checkpoint table in another format) is
+    pinned by each rank process through torch's allocator, which rounds each block up to a power of two."""
+    mapped = [t for t in tables if res.checkpoint and t.fmt is StorageFormat.FP8_ROWS]
+    pinned = [t for t in tables if t not in mapped]
+    per_rank = sum(pinned_bytes(t.shape[0] * t.shape[1]) + pinned_bytes(t.shape[0] * -(-t.shape[1] // 32))
+                   if t.fmt is StorageFormat.FP8_ROWS else pinned_bytes(t.nbytes) for t in pinned)
+    nbytes = sum(t.nbytes for t in mapped) + world * per_rank
+    if not pinned:
+        basis = (f"1 copy per host: {len(tables)} tables of {stored / GiB:.1f} GiB fp8 rows mapped from the "
+                 "checkpoint (shared page cache, registered in place, not rounded)")
+    else:
+        basis = (f"{world} x {len(pinned)} tables of {stored / GiB:.1f} GiB fp8 rows, pinned per rank process, "
+                 "blocks rounded to powers of two" + (f"; {len(mapped)} mapped once per host" if mapped else ""))
+    return PlanRow(Row.ENGRAM_HOST, nbytes, basis)
 
 
 def check_fit(plan: MemoryPlan, inputs: PlanInputs, *, gpu_memory: tuple[int, ...] = (),
@@ -582,6 +679,10 @@ def check_fit(plan: MemoryPlan, inputs: PlanInputs, *, gpu_memory: tuple[int, ..
         weights = rank.weights + sum(r.nbytes for r in rank.rows if r.label in (Row.RUNTIME, Row.ENGRAM_DEVICE))
         problem = (f"the memory plan needs {need / GiB:.1f} GiB per GPU but {rank.device} has {have / GiB:.1f} GiB "
                    f"(weights {rank.weights / GiB:.1f} GiB, KV pool {rank.row(Row.KV_POOL).nbytes / GiB:.1f} GiB)")
+        if weights <= have < rank.load_peak and engine.model_dir is None and plan.device_type == "cuda":
+            return PlanMisfit(rank.device, need, have, "--preset", engine.preset, problem + (
+                f"; loading the demo weights peaks at {rank.load_peak / GiB:.1f} GiB"),
+                "serve a checkpoint (MODEL_DIR, read by byte range): the demo draws the whole float model on each GPU")
         if weights > have or rank.load_peak > have:
             return PlanMisfit(rank.device, need, have, "--tensor-parallel-size", tp, problem,
                               "raise --tensor-parallel-size (with --expert-parallel), or serve on larger GPUs")
@@ -608,10 +709,11 @@ def check_fit(plan: MemoryPlan, inputs: PlanInputs, *, gpu_memory: tuple[int, ..
                                   "lower --max-num-batched-tokens or --max-model-len")
             return PlanMisfit("host", need, host_memory, "--device", engine.device, problem,
                               "serve on GPUs (--device cuda), or a smaller model")
-        if par.world_size > 1:
+        if par.world_size > 1 and engine.model_dir is None:
             return PlanMisfit("host", need, host_memory, "--tensor-parallel-size", tp, problem,
-                              "lower --tensor-parallel-size (each rank process holds its own Engram tables and, "
-                              "loading a checkpoint, the float model), or use a host with more memory")
+                              "lower --tensor-parallel-size (with the demo weights each rank process pins its own "
+                              "Engram tables; a checkpoint's are mapped once per host), or use a host with more "
+                              "memory")
         return PlanMisfit("host", need, host_memory, "--kv-persist", bool(kv.ssd_enabled), problem,
                           "use a host with more memory (the Engram tables stay in pinned host memory)")
     return None

@@ -1,12 +1,16 @@
 """The memory plan (engine/plan) against what the engine really holds: the model's own tensors, a checkpoint the
-project's writer wrote, and the tensors left on each rank after ``shard_model_`` and ``place_in_formats_``.
+project's writer wrote, and the tensors left on each rank by both ways a rank gets its model: the demo's
+(``shard_model_`` then ``place_in_formats_``) and a checkpoint's (``load_rank_model``: read by byte range, the
+expert-parallel blocks converted, the Engram tables mapped from the files).
 
-Every comparison is exact (bytes): the plan's weight rows count the layout, not an estimate.
+Every comparison is exact (bytes): the plan's weight rows count the layout, not an estimate. A deliberately
+wrong plan (the other split's residency) must not match.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -20,12 +24,15 @@ from flashtier.engine.model.init import random_model
 from flashtier.engine.model.loader import save_model
 from flashtier.engine.model.transformer import Transformer, weight_formats
 from flashtier.engine.parallel import GroupComm, ParallelConfig, ParallelGroups, shard_model_
+from flashtier.engine.parallel.rank_engine import load_rank_model
 from flashtier.engine.plan.inventory import Part, inventory_from_checkpoint, inventory_from_config
 from flashtier.engine.plan.memory_plan import PlanInputs, build_plan, check_fit, pinned_bytes, rank_weights
 from flashtier.kvstore.config import GiB, KVStoreConfig
 
 CPU = EngineConfig(device="cpu", dtype="float32")
 GPU = EngineConfig(device="cuda", dtype="bfloat16")  # planned only: the residency rules of a CUDA run
+# the tiny preset with an expert width of 64: under TP 2 the shared expert's slice is 32 rows, whole FP8 blocks
+WIDE = {"moe_intermediate_size": 64, "name": "tiny-wide"}
 
 
 def _groups(par: ParallelConfig, rank: int) -> ParallelGroups:
@@ -115,6 +122,44 @@ def test_rank_weights_equal_the_sharded_models_tensors(tiny_models, split, engin
             host = model.layers[cfg.engram_layer_ids[0]].engram.host
             tables = sum(t.nbytes for t in inv.tensors if t.part == Part.ENGRAM_TABLE)
             assert host.nbytes == tables and planned[Part.ENGRAM_TABLE] == 0
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The tiny preset (expert width 32) and WIDE (64) written by the project's writer, with bf16 inventories."""
+    out = {}
+    for label, cfg in (("tiny", preset("tiny")), ("wide", preset("tiny").replace(**WIDE))):
+        directory = tmp_path_factory.mktemp(f"{label}-ckpt")
+        save_model(random_model(cfg, seed=1, dtype=torch.bfloat16, with_dspark=False), directory)
+        out[label] = (directory, inventory_from_config(cfg))
+    return out
+
+
+@pytest.mark.parametrize("case", ["exact", "broken"])
+@pytest.mark.parametrize("split", [(2, True), (2, False)], ids=lambda s: f"tp{s[0]}-ep{s[1]}")
+@pytest.mark.parametrize("width", ["tiny", "wide"])
+def test_checkpoint_rank_weights_equal_the_loaded_ranks_tensors(checkpoints, width, split, case):
+    """Oracle: each rank's part of a checkpoint as ``load_rank_model`` leaves it in the CUDA formats (run on the
+    CPU): read by byte range, FP8 linears as stored, under EP the rank's experts converted by their blocks (MXFP4,
+    and the shared slice in FP8 when it is whole 32-blocks: ``wide``; float at 16 rows: ``tiny``), under TP
+    without EP float slices, the Engram tables mapped from the files. Its bytes equal the plan's weights of that
+    rank, and the mapped tables the plan's one host copy. ``broken``: the plan of the other split (EP on / off)
+    must not match."""
+    directory, inv = checkpoints[width]
+    tp, ep = split
+    par = ParallelConfig(tp, ep)
+    engine = dataclasses.replace(GPU, model_dir=str(directory))
+    planned_par = par if case == "exact" else ParallelConfig(tp, not ep)
+    plan = build_plan(PlanInputs(inv, engine, KVStoreConfig(num_blocks=8), par, gpu_memory=80 * GiB))
+    for rank in range(par.world_size):
+        model = load_rank_model(directory, _groups(par, rank), torch.device("cpu"), dtype=torch.bfloat16,
+                                formats=True, host_engram=True, progress=False)
+        planned = rank_weights(inv, engine, planned_par, rank)
+        assert (sum(planned.values()) == _resident(model)) == (case == "exact"), f"rank {rank}"
+        host = model.layers[inv.config.engram_layer_ids[0]].engram.host
+        assert host.nbytes == plan.host.rows[0].nbytes  # one mapped copy for every rank of the host
+    shared = plan.ranks[0].row(Part.SHARED).basis
+    assert shared.startswith("fp8" if ep and width == "wide" else "float"), shared
 
 
 @pytest.mark.parametrize("split", [(2, False), (4, True), (8, True)], ids=lambda s: f"tp{s[0]}-ep{s[1]}")
