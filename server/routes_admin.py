@@ -18,9 +18,9 @@ What is deleted (docs/operations.md, "Deleting a tenant"), in this order:
     snapshot pool      every snapshot of its namespaces (embedded or Redis, on the tier I/O loop)
     response store     (``api_key`` only) the stored conversations the key owns (owner.py)
 
-The answer counts what each tier removed. The event loop only awaits: the engine thread, a worker thread
-and the tier I/O loop do the work. Failures: 501 when the engine cannot delete while running (tensor
-parallel), 503 when the engine is not running, 500 (with the tier named) when a tier failed; a retry
+The answer counts what each tier removed. The event loop only awaits: the engine-core process (between two
+steps, then a thread for the tiers) and the tier I/O loop do the work. Failures: 501 when the engine client
+cannot delete while running, 503 when the engine is not running, 500 (with the tier named) when a tier failed; a retry
 finishes what is left (each step is idempotent).
 """
 
