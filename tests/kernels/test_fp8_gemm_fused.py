@@ -132,7 +132,10 @@ def test_counters_are_left_zeroed_and_reused():
     first = fp8_gemm_fused(x, wq, ws, fuse=True, impl="triton", config=cfg, counters=counters)
     assert not counters.any()
     assert torch.equal(fp8_gemm_fused(x, wq, ws, fuse=True, impl="triton", config=cfg, counters=counters), first)
-    # a counter left non-zero (a launch that never finished) makes the wrong program sum: the check sees it
+    # a counter left non-zero (a launch that never finished) makes the wrong program sum: the check sees it. The
+    # launch just before it leaves other partials in memory the allocator may hand out again, so a sum read too
+    # early cannot equal ``first`` by reuse of the first call's partials
+    fp8_gemm_fused(x * -3.0, wq, ws, fuse=True, impl="triton", config=cfg, counters=counters)
     counters[0] = 1
     stale = torch.empty_like(first).fill_(float("nan"))
     fp8_gemm_triton(x, None, as_raw_bytes(wq), as_raw_bytes(ws), 32, 1, stale, cfg, quantize_a=True,
