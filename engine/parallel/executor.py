@@ -60,6 +60,9 @@ log = logging.getLogger("flashtier.engine.parallel")
 
 STEP_TIMEOUT_S = 900.0  # a first step may compile kernels; a lost peer surfaces sooner (pg timeout, exit)
 MONITOR_TICK_S = 0.25
+# A rank killed mid-collective: its peers' collectives fail as its socket closes, which can be before its exit
+# is collected; a peer's failure report waits this long for another rank's exit, to name the cause.
+PEER_EXIT_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -302,14 +305,21 @@ class EngineCoreClient:
         elif isinstance(msg, TenantDeleted):
             self._answer_deletion(msg)
         elif isinstance(msg, Failed):
-            gone = self.ranks.exited_rank()
-            if gone is not None and gone != rank:  # a peer's death surfaced here first as a collective error
+            gone = self._exited_peer(rank)
+            if gone is not None:  # a peer's death surfaced here first as a collective error
                 self._fail(f"rank {gone} {self.ranks.describe_exit(gone)}")
                 return  # after another failure this is usually its echo (a lost peer): quieter
             log.log(logging.ERROR if self._error is None else logging.DEBUG, "rank %d failed:\n%s", rank, msg.detail)
             self._fail(f"rank {rank} failed: {msg.error}")
         else:
             self._fail(f"rank {rank} sent an unexpected {type(msg).__name__}")
+
+    def _exited_peer(self, rank: int) -> int | None:
+        """A rank other than ``rank`` whose process has exited, waiting up to ``PEER_EXIT_GRACE_S`` for one (a
+        failure report with every peer alive is its own rank's failure, and costs that wait; monitor thread)."""
+        peers = {sentinel: r for r, sentinel in enumerate(self.ranks.sentinels) if r != rank}
+        fired = wait(list(peers), PEER_EXIT_GRACE_S) if peers else []
+        return peers[fired[0]] if fired else None
 
     def _deliver(self, done: StepDone) -> None:
         for rid, result in done.admitted:

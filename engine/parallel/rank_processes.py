@@ -95,14 +95,6 @@ class RankProcesses:
             raise RankStartError(f"rank {rank} sent {type(msg).__name__} before Ready")
         return msg
 
-    def exited_rank(self) -> int | None:
-        """The first rank whose process has exited (None while all run): the cause when a peer then reports a
-        failed collective."""
-        for rank, p in enumerate(self.procs):
-            if p.pid is not None and not p.is_alive():
-                return rank
-        return None
-
     def describe_exit(self, rank: int) -> str:
         """How rank ``rank``'s process ended, for a log line: "(pid 12) exited with signal SIGKILL"."""
         p = self.procs[rank]

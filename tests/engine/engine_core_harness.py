@@ -57,9 +57,6 @@ class ThreadRank:
             self._rank_end.close()
             os.close(self._sentinel_w)  # the sentinel fires: the "process" is gone
 
-    def exited_rank(self) -> int | None:
-        return None if self.thread.is_alive() else 0
-
     def describe_exit(self, rank: int) -> str:
         return "(the test's engine thread) ended"
 
