@@ -10,7 +10,7 @@ dtype. The Engram tables stay in host memory in their stored form (``host_engram
 engram_offload.py): a loaded table is a shared read-only mapping of its checkpoint bytes, one copy per host
 whatever the number of ranks (engram_table.py); otherwise they are dequantised like the rest. Tensors are
 read by byte range (sharded_reader.py). Peak extra memory while loading: one MoE layer's stored expert bytes
-(with expert parallelism: the rank's experts in float, converted at the end; see ``load_parts_``).
+(with expert parallelism: one block's experts in float, converted once its last tensor is read; ``load_parts_``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from flashtier.engine.model.loader import meta_model
 from flashtier.engine.model.moe import MoE
 from flashtier.engine.model.moe_convert import convert_experts_
 from flashtier.engine.model.placement import quantize_linears_
-from flashtier.engine.model.sharded_reader import TensorSlice, locate, read_slices
+from flashtier.engine.model.sharded_reader import StoredSlice, TensorSlice, locate, read_slices
 from flashtier.engine.model.transformer import Transformer, weight_formats
 from flashtier.kernels.quant.fp8_weight import as_e4m3fn, as_e8m0
 
@@ -64,9 +64,32 @@ def _convert_sharded_experts_(model: nn.Module, device: torch.device | str) -> i
                if callable(getattr(module, "convert_experts_", None)))
 
 
-def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+def set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace parameter ``name`` of ``model`` (e.g. one still on "meta") by ``value``; mutates ``model``."""
     owner, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(owner) if owner else model, leaf, nn.Parameter(value, requires_grad=False))
+
+
+class BlockConversion:
+    """Converts each module of ``model`` that converts its own experts (an expert-parallel block,
+    ``convert_experts_(device)``) as soon as the last of its parameters among ``names`` is set: the float
+    experts alive while a model is filled are one block's, not the rank's. Matched by the method's name
+    (engine/model may not import engine/parallel); one per fill (``load_parts_``, rank_random.py)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], device: torch.device | str) -> None:
+        self.device = device
+        self.blocks = {f"{p}.": m for p, m in model.named_modules()
+                       if p and callable(getattr(m, "convert_experts_", None))}
+        self.unset = {p: sum(n.startswith(p) for n in names) for p in self.blocks}
+
+    def tensor_set(self, name: str) -> None:
+        """Count ``name`` as set; converts its block when it was the block's last (mutates the block; the
+        block's ValueError on unequal expert shapes propagates)."""
+        for prefix, block in self.blocks.items():
+            if name.startswith(prefix):
+                self.unset[prefix] -= 1
+                if self.unset[prefix] == 0:
+                    block.convert_experts_(self.device)
 
 
 def _experts(moe: MoE, parts: dict[tuple[str, int], tuple], device) -> ExpertWeights:
@@ -109,16 +132,15 @@ def load_parts_(
     ``sharded_reader.read_slices``). With ``formats`` the weights take their stored formats on ``device``:
     FP8 linears outside the MoE become ``Fp8Linear`` from the stored codes, an unsharded ``MoE``'s experts one
     ``ExpertWeights`` from the stored MXFP4 / FP8 bytes; every other parameter is dequantised into the
-    parameter's dtype. Sharded experts are read that way too; then, once every tensor is set, the modules that
-    convert their own experts (expert-parallel blocks) do so on ``device`` exactly as ``place_in_formats_``
-    does (``_convert_sharded_experts_``; the stored values are exact in the float dtype, so the re-quantisation
-    gives the stored codes back). Until then the rank's float experts are on ``device``: with expert
-    parallelism the load's peak is those, not one MoE layer's stored bytes. Tensor-parallel experts stay float
-    (their modules compute on float weights). The Engram tables, with ``host_engram`` (None = on for CUDA),
+    parameter's dtype. Sharded experts are read that way too; a module that converts its own experts (an
+    expert-parallel block) does so on ``device`` as soon as its last tensor is set, exactly as
+    ``place_in_formats_`` does (``convert_experts_``; the stored values are exact in the float dtype, so the
+    re-quantisation gives the stored codes back): the load's transient is one block's float experts, not the
+    rank's. Tensor-parallel experts stay float (their modules compute on float weights). The Engram tables, with ``host_engram`` (None = on for CUDA),
     are mapped from the files instead of read (``_map_tables``).
     Mutates and returns ``model`` (eval mode). Raises CheckpointError (a ValueError) before reading anything
-    when the checkpoint does not match ``expected``, and ValueError when a tensor is left unset (checked before
-    any conversion, so no unset tensor can hide inside a converted module).
+    when the checkpoint does not match ``expected``, and ValueError when a tensor is left unset (a block with
+    an unset tensor is never converted, so none can hide inside a converted module).
     """
     device, reader = torch.device(device), CheckpointReader(model_dir)
     wformats = weight_formats(model)
@@ -128,31 +150,11 @@ def load_parts_(
     host = wants_host_tables(host_engram, device)
     tables = [n for n in params if n.endswith(TABLE_SUFFIX)] if host else []
     wanted = [n for n in params if n not in tables]
+    blocks = BlockConversion(model, wanted if formats else (), device)
     for part in read_slices(reader, expected, wanted, slices, strict=strict, skip=skip, progress=progress):
-        name, want = part.name, tuple(params[part.name].shape)
-        hit = _EXPERT.match(name)
-        if formats and hit and hit["moe"] in moes:  # an unsharded MoE: its experts packed as stored
-            data, scale = (t.to(device) for t in part.stored())
-            parts = pending[hit["moe"]]
-            parts[(hit["w"], int(hit["e"]) if hit["e"] is not None else -1)] = (data, scale)
-            moe = moes[hit["moe"]]
-            if len(parts) == 3 * moe.gate.weight.shape[0] + 3:
-                moe.experts, moe.shared_experts = _experts(moe, parts, device), None
-                del pending[hit["moe"]]
-            continue
-        if formats and not hit and part.plan.fmt is StorageFormat.FP8 and wformats[name] == "fp8":
-            data, scale = part.stored()
-            if tuple(data.shape) != want:
-                raise CheckpointError(f"{name}: read {list(data.shape)}, the model holds {list(want)}")
-            owner, _, attr = name.removesuffix(".weight").rpartition(".")
-            setattr(model.get_submodule(owner), attr, Fp8Linear(
-                as_e4m3fn(data.to(device)), as_e8m0(scale.to(device)), compute_dtype=params[name].dtype))
-            continue
-        # float32 first, then the parameter's dtype: what load_model does (exact for every stored format)
-        value = part.values(torch.float32).to(params[name].dtype)
-        if tuple(value.shape) != want:
-            raise CheckpointError(f"{name}: read {list(value.shape)}, the model holds {list(want)}")
-        _set_param(model, name, value.to(device))
+        _place(model, part, params, moes, pending, wformats, formats, device)
+        if formats:
+            blocks.tensor_set(part.name)
     if tables:
         attach_host_tables_(model, _map_tables(model, reader, tables, register=device.type == "cuda"), device,
                             params[tables[0]].dtype)
@@ -162,8 +164,38 @@ def load_parts_(
         raise ValueError(f"{reader.directory}: the checkpoint left {len(left)} tensors unset (e.g. {left[:3]}) and "
                          f"{len(pending)} MoE layers incomplete")
     if formats:
-        _convert_sharded_experts_(model, device)
+        _convert_sharded_experts_(model, device)  # every block converted above already: a no-op kept as a guard
     return model.eval()
+
+
+def _place(model: Transformer, part: StoredSlice, params: dict[str, nn.Parameter], moes: dict[str, MoE],
+           pending: dict[str, dict[tuple[str, int], tuple]], wformats: dict[str, str], formats: bool,
+           device: torch.device) -> None:
+    """Set one read tensor into ``model`` (``load_parts_``'s loop body; mutates ``model`` and ``pending``)."""
+    name, want = part.name, tuple(params[part.name].shape)
+    hit = _EXPERT.match(name)
+    if formats and hit and hit["moe"] in moes:  # an unsharded MoE: its experts packed as stored
+        data, scale = (t.to(device) for t in part.stored())
+        parts = pending[hit["moe"]]
+        parts[(hit["w"], int(hit["e"]) if hit["e"] is not None else -1)] = (data, scale)
+        moe = moes[hit["moe"]]
+        if len(parts) == 3 * moe.gate.weight.shape[0] + 3:
+            moe.experts, moe.shared_experts = _experts(moe, parts, device), None
+            del pending[hit["moe"]]
+        return
+    if formats and not hit and part.plan.fmt is StorageFormat.FP8 and wformats[name] == "fp8":
+        data, scale = part.stored()
+        if tuple(data.shape) != want:
+            raise CheckpointError(f"{name}: read {list(data.shape)}, the model holds {list(want)}")
+        owner, _, attr = name.removesuffix(".weight").rpartition(".")
+        setattr(model.get_submodule(owner), attr, Fp8Linear(
+            as_e4m3fn(data.to(device)), as_e8m0(scale.to(device)), compute_dtype=params[name].dtype))
+        return
+    # float32 first, then the parameter's dtype: what load_model does (exact for every stored format)
+    value = part.values(torch.float32).to(params[name].dtype)
+    if tuple(value.shape) != want:
+        raise CheckpointError(f"{name}: read {list(value.shape)}, the model holds {list(want)}")
+    set_parameter(model, name, value.to(device))
 
 
 @torch.no_grad()

@@ -15,6 +15,11 @@ torch's pinned allocator, which rounds a block up to a power of two (a 98 GB tab
 registration also faults every page in once, at load. When registration fails (an old driver, a file
 system that refuses it) the table stays mapped and unregistered, with one warning: the gathers read it
 on the host into pinned staging either way (engram_host.py), only page faults may then reach the disk.
+
+``TableFile`` gives drawn tables (the demo weights, rank_random.py) the same one-copy-per-host form: a file of
+codes then scales, filled once through a writable shared mapping and then mapped read-only by every rank as a
+checkpoint's table is. Left unfilled it is sparse: holes read as zero codes (value 0), and no page exists
+until touched (the one-GPU emulation of the real geometry, whose tables exceed the host's memory).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import mmap
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -166,3 +172,45 @@ class HostTable:
             codes[a : a + _CHUNK_ROWS].copy_(as_raw_bytes(q))
             scales[a : a + _CHUNK_ROWS].copy_(as_raw_bytes(s))
         return cls(codes, scales)
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """One table's bytes in a file of its own: e4m3 codes ``[R, hd]`` at offset 0, then e8m0 scales
+    ``[R, hd/32]`` (the checkpoint's fp8 rows, as ``map_stored`` maps them)."""
+
+    path: Path
+    shape: tuple[int, int]
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return self.shape[0], -(-self.shape[1] // ROW_BLOCK[1])
+
+    @property
+    def ranges(self) -> tuple[ByteRange, ByteRange]:
+        codes = math.prod(self.shape)
+        return ByteRange(self.path, 0, codes), ByteRange(self.path, codes, math.prod(self.scale_shape))
+
+    def create(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Create the file at its full size, sparse (every byte 0 until written), and return writable shared
+        views ``(codes, scales)`` of it: writes reach the file's pages, which every later mapping shares."""
+        codes, scales = self.ranges
+        with open(self.path, "wb") as f:
+            f.truncate(codes.nbytes + scales.nbytes)
+        flat = torch.from_file(str(self.path), shared=True, size=codes.nbytes + scales.nbytes, dtype=torch.uint8)
+        return flat[: codes.nbytes].view(self.shape), flat[codes.nbytes :].view(self.scale_shape)
+
+    def fill(self, codes: torch.Tensor, scales: torch.Tensor, start: int, weight: torch.Tensor) -> None:
+        """Quantise float rows ``weight`` (any device; values fp8 rows hold exactly, e.g. drawn by
+        ``draw_parameter``) into rows ``[start, start + len(weight))`` of the views ``create`` returned.
+        ValueError when they are not exact in fp8 rows."""
+        q, sc = quantize_fp8_weight(weight.float(), block=ROW_BLOCK)
+        back = dequantize_fp8_weight(q, sc, block=ROW_BLOCK)
+        if not (torch.equal(back, weight.float()) and torch.equal(back.signbit(), weight.float().signbit())):
+            raise ValueError(f"{self.path}: rows from {start} are not exact in fp8 rows")
+        codes[start : start + weight.shape[0]].copy_(as_raw_bytes(q))
+        scales[start : start + weight.shape[0]].copy_(as_raw_bytes(sc))
+
+    def map(self, *, register: bool) -> HostTable:
+        """The file's table, mapped read-only and shared (``HostTable.map_stored``)."""
+        return HostTable.map_stored(*self.ranges, self.shape, register=register)

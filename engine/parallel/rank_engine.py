@@ -2,8 +2,9 @@
 
     checkpoint   load_rank_model: the model planned on "meta", shard_model_ on the plan, then only this
                  rank's byte ranges of the safetensors files read (rank_slices -> device_loader.load_parts_)
-    demo         build_model / random_model_on_device: the preset's seeded random weights, whole, then
-                 shard_model_ (the single-process seed: every rank draws the same model)
+    demo         CPU / float64: build_model, the preset's seeded random weights, whole, then shard_model_;
+                 CUDA: random_rank_model, only the rank's share drawn on its GPU in its stored formats,
+                 equal to that share of one process's random_model_on_device (rank_random.py)
     Engine(model, tiers=None)    SSD tier and snapshot pool off: their lookups finish on I/O threads at
                                  times no two ranks share, so two ranks would schedule differently
 
@@ -31,12 +32,12 @@ from flashtier.engine.config import EngineConfig
 from flashtier.engine.engine import Engine
 from flashtier.engine.factory import build_model, reserve_engram_staging
 from flashtier.engine.model.config import preset
-from flashtier.engine.model.device_loader import load_parts_, place_in_formats_
+from flashtier.engine.model.device_loader import load_parts_
 from flashtier.engine.model.dspark import dspark_skip
-from flashtier.engine.model.init import random_model_on_device
 from flashtier.engine.model.loader import meta_model
 from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.parallel.process_group import ParallelGroups
+from flashtier.engine.parallel.rank_random import random_rank_model
 from flashtier.engine.parallel.shard_model import rank_slices, shard_model_
 from flashtier.kvstore.config import KVStoreConfig
 
@@ -88,10 +89,9 @@ def build_rank_model(config: EngineConfig, groups: ParallelGroups, device: torch
                                with_dspark=config.speculative_tokens > 0)
     if device.type != "cuda" or config.dtype == "float64":  # float weights where they run: the reference path
         return shard_model_(build_model(dataclasses.replace(config, device=str(device))), groups)
-    # the demo: drawn on the device as one process draws it, float until sharded
-    model = random_model_on_device(preset(config.preset), device, seed=config.weights_seed,
-                                   dtype=getattr(torch, config.dtype), with_dspark=False, host_engram=False)
-    return place_in_formats_(shard_model_(model, groups), device)
+    # the demo: only this rank's share drawn on its device, the values one process draws (rank_random.py)
+    return random_rank_model(preset(config.preset), groups, device, seed=config.weights_seed,
+                             dtype=getattr(torch, config.dtype))
 
 
 def _equal_pool(kv: KVStoreConfig, device: torch.device) -> KVStoreConfig:

@@ -22,13 +22,14 @@ say so and give their basis::
       CUDA graphs    buckets (<= MAX_GRAPHS) x their static outputs + one decode step's activations          estimate
       activations    one step of --max-num-batched-tokens tokens (formula in ``activation_bytes``)          estimate
       CUDA runtime   context, kernel modules, cuBLAS workspace (+ NCCL buffers with several ranks)          estimate
-      loading        the peak while the model is built, by path (``_load_peak``): the demo draws the whole
-                     float model on each device; a checkpoint is read by byte range, under EP the rank's
-                     experts float until their blocks convert them                                         exact
+      loading        the peak while the model is built, by path (``_load_peak``): one process's demo draws
+                     the whole float model, several ranks draw their shares one tensor at a time; a
+                     checkpoint is read by byte range; under EP one block's experts float at a time         bound
     per host
       Engram tables  in the checkpoint's fp8 rows. A checkpoint's: mapped from the files, one copy per host
-                     (shared page cache, registered in place, nothing rounded); the demo's: pinned by each
-                     rank process, torch's allocator rounding each block up to a power of two              exact
+                     (shared page cache, registered in place, nothing rounded); the demo's at N ranks: one
+                     shared file drawn once per host, the same; one process's demo: pinned, torch's
+                     allocator rounding each block up to a power of two                                     exact
       staging        pinned Engram gather staging, the SSD restore buffers, the embedded snapshot pool       bound
       loading        a checkpoint: + one tensor in flight per rank (stored + fp32 + model dtype)            bound
 
@@ -326,19 +327,16 @@ def _splits(inv: Inventory) -> list[_Split]:
 @dataclass(frozen=True, slots=True)
 class _RankWeights:
     """One rank's weight bytes per ``Part``, and what its expert-parallel blocks convert while a checkpoint
-    loads (load_parts_ reads every expert as float first, then each block converts its own)."""
+    loads (load_parts_ reads a block's experts as float, and the block converts them once its last is read)."""
 
     parts: dict[str, int]
-    converted_float: int = 0  # the converted experts (routed + shared slices) as read: float, model dtype
-    converted_stored: int = 0  # the same experts in their stored formats (counted in ``parts``)
-    largest_layer_stored: int = 0  # one block's stored experts (what one conversion allocates)
+    largest_layer_float: int = 0  # one block's converted experts (routed + shared slice) as read: model dtype
 
 
 def _rank_weights(inv: Inventory, splits: list[_Split], res: _Residency, par: ParallelConfig,
                   rank: int) -> _RankWeights:
     out = dict.fromkeys(Part.ORDER, 0)
     layers: dict[str, int] = {}
-    floats = 0
     for t, split in zip(inv.tensors, splits):
         part = t.part
         if part == Part.ENGRAM_TABLE and res.host_engram:
@@ -349,15 +347,14 @@ def _rank_weights(inv: Inventory, splits: list[_Split], res: _Residency, par: Pa
         nbytes = _resident_bytes(t, shape, res)
         out[part] += nbytes
         if res.expert_parallel and part in (Part.ROUTED, Part.SHARED) and _expert_stored(t, shape, res):
-            floats += math.prod(shape) * res.dtype_bytes
             key = t.name.split(".ffn.", 1)[0]
-            layers[key] = layers.get(key, 0) + nbytes
+            layers[key] = layers.get(key, 0) + math.prod(shape) * res.dtype_bytes
     if res.expert_parallel and res.expert_formats:
         # RankExperts keeps its experts' global ids: one int64 each (expert_ids)
         ids = sum(8 for t, s in zip(inv.tensors, splits) if s.kind == "expert" and t.name.endswith(".w1.weight")
                   and _local_shape(t, s, inv.config, par, rank) is not None)
         out[Part.ROUTED] += ids
-        return _RankWeights(out, floats, sum(layers.values()), max(layers.values(), default=0))
+        return _RankWeights(out, max(layers.values(), default=0))
     return _RankWeights(out)
 
 
@@ -550,9 +547,6 @@ def build_plan(inputs: PlanInputs) -> MemoryPlan:
         notes.append("experts stay float (model dtype) under tensor parallelism without --expert-parallel "
                      "(TensorParallelMoE has no stored form); in MXFP4 / FP8 they would take "
                      f"{_expert_formats_share(inv, par) / GiB:.1f} GiB per rank")
-    if cuda and world > 1 and res.host_engram and not res.checkpoint:
-        notes.append(f"the demo weights: each of the {world} rank processes pins its own copy of the Engram "
-                     "tables (a checkpoint's tables are mapped once per host)")
     return MemoryPlan(cfg.name, inv.source, res.device_type, engine.dtype, par.tensor_parallel_size,
                       par.expert_parallel, kv.block_size, layout.block_bytes, num_blocks, pool_basis, context,
                       tuple(ranks), HostPlan(tuple(host_rows), host_peak, host_basis), inputs.gpu_memory,
@@ -563,24 +557,33 @@ def _load_peak(inv: Inventory, res: _Residency, world: int, held: _RankWeights, 
                float_model: int) -> tuple[int, str]:
     """(bytes, basis) on a rank's device at the peak of loading, by the path that builds the model:
 
-        CUDA, demo weights      random_model_on_device draws the whole float model (the Engram tables too) on
-                                each device, then shard_model_ / place_in_formats_ (rank_engine, factory)
-        CUDA, checkpoint, EP    load_parts_ reads the rank's experts as float (model dtype), then each block
-                                converts its own: all of them float + the first block's stored form
+        CUDA, demo, 1 rank      random_model_on_device draws the whole float model (the Engram tables too),
+                                then place_in_formats_ (factory)
+        CUDA, demo, N ranks     random_rank_model draws the rank's share one tensor at a time (rank_random):
+                                the weights + one tensor in fp32 twice + one EP block's float experts
+        CUDA, checkpoint, EP    load_parts_ reads a block's experts as float (model dtype) and the block
+                                converts them once its last tensor is read: the weights + one block's float
         CUDA, checkpoint, else  one rank: one MoE layer's stored experts in flight (load_model_in_formats);
                                 TP without EP: the float slices are what stays
         CPU                     weights as resident
     """
     if res.device_type != "cuda":
         return runtime + resident, "weights as resident"
+    if not res.checkpoint and world > 1:
+        one = 2 * max((math.prod(t.shape) * 4 for t in inv.tensors if t.part != Part.ENGRAM_TABLE), default=0)
+        peak = runtime + resident + one + held.largest_layer_float
+        return peak, (f"weights + one tensor drawn whole in fp32 and snapped ({one / GiB:.2f} GiB)"
+                      + (f" + one block's experts in float ({held.largest_layer_float / GiB:.2f} GiB)"
+                         if held.largest_layer_float else "")
+                      + ": random_rank_model draws only the rank's share (demo weights)")
     if not res.checkpoint:
         return runtime + float_model, ("at least the whole float model, drawn on each device before it is sharded "
                                        "and converted (demo weights; a checkpoint is read by byte range)")
-    if held.converted_float:
-        peak = runtime + resident - held.converted_stored + held.converted_float + held.largest_layer_stored
-        return peak, (f"weights with the rank's converted experts as read, float ({held.converted_float / GiB:.1f} "
-                      f"GiB), + one block's stored experts (load_parts_ converts after the last tensor; the "
-                      "quantiser's temporaries of one matrix not counted)")
+    if held.largest_layer_float:
+        peak = runtime + resident + held.largest_layer_float
+        return peak, (f"weights + one block's experts as read, float ({held.largest_layer_float / GiB:.2f} GiB; "
+                      "load_parts_ converts each block once its last tensor is read; the quantiser's "
+                      "temporaries of one matrix not counted)")
     if world == 1:
         return runtime + resident + _largest_moe_layer(inv), "weights + one MoE layer's stored experts in flight"
     return runtime + resident, "weights as resident (read by byte range, one tensor at a time)"
@@ -645,16 +648,20 @@ def _host(inputs: PlanInputs, res: _Residency, ranks: list[RankPlan], staging_ro
 def _engram_host_row(tables: list[TensorSpec], res: _Residency, world: int, stored: int) -> PlanRow:
     """The Engram tables in host memory. A checkpoint's fp8-row tables are shared read-only mappings of the
     files (HostTable.map_stored): one copy per host in the page cache, registered in place, nothing rounded.
-    Any other table (the demo's, drawn and moved by tables_to_host_; a checkpoint table in another format) is
-    pinned by each rank process through torch's allocator, which rounds each block up to a power of two."""
-    mapped = [t for t in tables if res.checkpoint and t.fmt is StorageFormat.FP8_ROWS]
+    So are the demo's at several ranks (drawn once per host into a shared file, rank_random.py). Any other table
+    (one process's demo, moved by tables_to_host_; a checkpoint table in another format) is pinned by its
+    process through torch's allocator, which rounds each block up to a power of two."""
+    # a checkpoint's are its files; the demo's at N ranks are drawn once into a shared file (rank_random.py)
+    shared = res.checkpoint or world > 1
+    mapped = [t for t in tables if shared and t.fmt is StorageFormat.FP8_ROWS]
     pinned = [t for t in tables if t not in mapped]
     per_rank = sum(pinned_bytes(t.shape[0] * t.shape[1]) + pinned_bytes(t.shape[0] * -(-t.shape[1] // 32))
                    if t.fmt is StorageFormat.FP8_ROWS else pinned_bytes(t.nbytes) for t in pinned)
     nbytes = sum(t.nbytes for t in mapped) + world * per_rank
     if not pinned:
-        basis = (f"1 copy per host: {len(tables)} tables of {stored / GiB:.1f} GiB fp8 rows mapped from the "
-                 "checkpoint (shared page cache, registered in place, not rounded)")
+        source = "the checkpoint" if res.checkpoint else "a file the demo draws them into once per host (/dev/shm)"
+        basis = (f"1 copy per host: {len(tables)} tables of {stored / GiB:.1f} GiB fp8 rows mapped from {source} "
+                 "(shared pages, registered in place, not rounded)")
     else:
         basis = (f"{world} x {len(pinned)} tables of {stored / GiB:.1f} GiB fp8 rows, pinned per rank process, "
                  "blocks rounded to powers of two" + (f"; {len(mapped)} mapped once per host" if mapped else ""))
@@ -679,10 +686,12 @@ def check_fit(plan: MemoryPlan, inputs: PlanInputs, *, gpu_memory: tuple[int, ..
         weights = rank.weights + sum(r.nbytes for r in rank.rows if r.label in (Row.RUNTIME, Row.ENGRAM_DEVICE))
         problem = (f"the memory plan needs {need / GiB:.1f} GiB per GPU but {rank.device} has {have / GiB:.1f} GiB "
                    f"(weights {rank.weights / GiB:.1f} GiB, KV pool {rank.row(Row.KV_POOL).nbytes / GiB:.1f} GiB)")
-        if weights <= have < rank.load_peak and engine.model_dir is None and plan.device_type == "cuda":
+        if weights <= have < rank.load_peak and engine.model_dir is None and plan.device_type == "cuda" \
+                and par.world_size == 1:
             return PlanMisfit(rank.device, need, have, "--preset", engine.preset, problem + (
                 f"; loading the demo weights peaks at {rank.load_peak / GiB:.1f} GiB"),
-                "serve a checkpoint (MODEL_DIR, read by byte range): the demo draws the whole float model on each GPU")
+                "serve a checkpoint (MODEL_DIR, read by byte range), or several ranks: one process draws the "
+                "whole float model on its GPU, ranks draw only their shares")
         if weights > have or rank.load_peak > have:
             return PlanMisfit(rank.device, need, have, "--tensor-parallel-size", tp, problem,
                               "raise --tensor-parallel-size (with --expert-parallel), or serve on larger GPUs")
@@ -709,11 +718,6 @@ def check_fit(plan: MemoryPlan, inputs: PlanInputs, *, gpu_memory: tuple[int, ..
                                   "lower --max-num-batched-tokens or --max-model-len")
             return PlanMisfit("host", need, host_memory, "--device", engine.device, problem,
                               "serve on GPUs (--device cuda), or a smaller model")
-        if par.world_size > 1 and engine.model_dir is None:
-            return PlanMisfit("host", need, host_memory, "--tensor-parallel-size", tp, problem,
-                              "lower --tensor-parallel-size (with the demo weights each rank process pins its own "
-                              "Engram tables; a checkpoint's are mapped once per host), or use a host with more "
-                              "memory")
         return PlanMisfit("host", need, host_memory, "--kv-persist", bool(kv.ssd_enabled), problem,
                           "use a host with more memory (the Engram tables stay in pinned host memory)")
     return None

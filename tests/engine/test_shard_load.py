@@ -29,10 +29,15 @@ prefill, 0.006 at decode step 2): greedy tokens do not hold and only the bound B
 (it catches NaNs, zeros or a layer dropped; it does not tell a wrong slice from rounding, which the
 bit-for-bit comparison and the float cases do).
 
+The stored-formats load converts each expert-parallel block as soon as its last tensor is read: at every
+conversion the float experts alive are that block's alone (with the conversion at the end of the load they
+were all of the rank's blocks': the transient that made TP 8 overflow an 80 GB card, docs/memory_plan.md).
+
 A deliberately broken load (rank 0 reads layer 3's query rows one head too far on) must be caught by both
 the parameter comparison and the logits.
 """
 
+import contextlib
 import os
 import traceback
 from pathlib import Path
@@ -45,12 +50,14 @@ from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import load_parts_, place_in_formats_
 from flashtier.engine.model.dspark import dspark_skip
 from flashtier.engine.model.incremental import IncrementalModel, greedy_generate
-from flashtier.engine.model.init import random_model
+from flashtier.engine.model.init import random_model, random_model_on_device
 from flashtier.engine.model.loader import load_model, meta_model, save_model
 from flashtier.engine.model.sharded_reader import TensorSlice
 from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.parallel import ParallelConfig, init_distributed, shard_model_, shutdown_distributed
+from flashtier.engine.parallel.expert_parallel_moe import ExpertParallelMoE
 from flashtier.engine.parallel.rank_engine import load_rank_model
+from flashtier.engine.parallel.rank_random import random_rank_model
 from flashtier.engine.parallel.shard_model import rank_slices
 
 from .conftest import random_prompt, rel_err
@@ -69,6 +76,7 @@ DECODE_STEPS = 3
 FP32_TOL = 1e-5
 BF16_TOL = 0.5
 BROKEN_LAYER = 1
+RANDOM_SEED = 23
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -129,21 +137,61 @@ def _logits(model: Transformer, prompt: list[int], decode: list[int]) -> torch.T
     state = runner.new_state()
     return torch.stack([runner.prefill(state, prompt)] + [runner.decode(state, t) for t in decode])
 
+@contextlib.contextmanager
+def _float_experts_at_conversion():
+    """While active, each expert-parallel block's conversion records ``(bytes of float experts loaded in every
+    block not yet converted, that block's own)``: the load's transient (one block's when blocks convert as they
+    complete; every block's when they convert at the end)."""
+    seen: list[tuple[int, int]] = []
+    blocks: list[ExpertParallelMoE] = []  # every block made while active (shard_model_ makes the rank's)
+    original, original_init = ExpertParallelMoE.convert_experts_, ExpertParallelMoE.__init__
+
+    def registering(self: ExpertParallelMoE, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        blocks.append(self)
+
+    def floats(block: ExpertParallelMoE) -> int:
+        return 0 if block.converted else sum(p.numel() * p.element_size() for p in block.experts.parameters()
+                                             if not p.is_meta)
+
+    def recording(self: ExpertParallelMoE, device):
+        if not self.converted:
+            seen.append((sum(floats(b) for b in blocks), floats(self)))
+        return original(self, device)
+
+    ExpertParallelMoE.convert_experts_, ExpertParallelMoE.__init__ = recording, registering
+    try:
+        yield seen
+    finally:
+        ExpertParallelMoE.convert_experts_, ExpertParallelMoE.__init__ = original, original_init
+
+
 def _rank(rank: int, whole: Transformer, ckpt: Path, mode: str, job: Job) -> dict:
     groups = init_distributed(job.parallel, rank, init_method=f"tcp://127.0.0.1:{job.port}", timeout_s=60)
     try:
         dtype = whole.embed.weight.dtype
+        if mode == "random":  # the demo's path: only this rank's share drawn, tables shared per host
+            tables = job.out_dir / "tables"
+            with _float_experts_at_conversion() as seen:
+                loaded = random_rank_model(whole.cfg, groups, "cpu", seed=RANDOM_SEED, dtype=dtype, host_engram=True,
+                                           table_dir=tables)
+            want = place_in_formats_(shard_model_(whole, groups), "cpu", host_engram=True)
+            return {"differ": differences(loaded, want), "float_at_conversion": seen,
+                    "left": sorted(p.name for p in tables.iterdir())}
         if job.fault == "broken" and rank == job.fault_rank:
             loaded = _broken_load(ckpt, groups, dtype)
         elif mode == "formats":
-            loaded = load_rank_model(ckpt, groups, torch.device("cpu"), dtype=dtype, formats=True, host_engram=True,
-                                     progress=False)
+            with _float_experts_at_conversion() as seen:
+                loaded = load_rank_model(ckpt, groups, torch.device("cpu"), dtype=dtype, formats=True,
+                                         host_engram=True, progress=False)
         else:  # "float64" / "float": float weights, the CPU's reference path
             loaded = load_rank_model(ckpt, groups, torch.device("cpu"), dtype=dtype, progress=False)
         want = shard_model_(whole, groups)
         if mode == "formats":
             want = place_in_formats_(want, "cpu", host_engram=True)
         out = {"differ": differences(loaded, want)}
+        if mode == "formats":
+            out["float_at_conversion"] = seen
         if job.runs:
             prompt, decode = job.runs[groups.dp_rank]
             out["logits"] = _logits(loaded, prompt, decode)
@@ -267,6 +315,9 @@ def test_stored_formats_equal_placement_and_forward_within_tolerance(dtype, case
     results = case.ranks(ParallelConfig(**SPLITS["tp2_ep2"]), tmp_path, mode="formats", forward=True)
     assert [r["differ"] for r in results] == [[]] * len(results)
     assert all(_same(r["logits"], r["today"]) for r in results)
+    for r in results:  # each block converted as it completed: no other block's float experts alive then
+        assert len(r["float_at_conversion"]) == 3 and all(total == own > 0 for total, own in
+                                                          r["float_at_conversion"]), r["float_at_conversion"]
     if dtype == torch.float32:
         errs = _logit_errors(case, results)  # greedy tokens equal too
         print(f"tp2_ep2: float32 stored formats relative error per rank {errs}")
@@ -286,3 +337,21 @@ def test_a_broken_load_is_caught(cases, tmp_path):
     errs = [rel_err(r["logits"], case.run()[2]) for r in results]
     print(f"broken: relative error per rank {errs}")
     assert min(errs) > 1e-6  # the attention all-reduce carries rank 0's wrong heads to every rank
+
+
+@pytest.mark.parametrize(("split", "dtype"), [("tp2_ep2", torch.bfloat16), ("tp2", torch.float32)])
+def test_a_rank_draws_its_share_of_the_one_process_demo_model(split, dtype, tmp_path):
+    """The demo's weights at TP > 1 on CUDA (run here on the CPU): each rank draws only its share
+    (``random_rank_model``), which equals the one-process ``random_model_on_device`` sharded and placed, bit for
+    bit (parameters, buffers, the mapped host tables, module classes); the EP blocks convert as they complete;
+    the table files are gone once every rank mapped them."""
+    cfg = preset("tiny").replace(**MANY_EXPERTS)
+    whole = random_model_on_device(cfg, "cpu", seed=RANDOM_SEED, dtype=dtype, with_dspark=False, host_engram=False)
+    (tmp_path / "tables").mkdir()
+    job = Job(ParallelConfig(**SPLITS[split]), free_port(), [], tmp_path)
+    results = fork_ranks(rank_main, (whole, None, "random"), job)
+    assert [r["differ"] for r in results] == [[]] * len(results)
+    assert [r["left"] for r in results] == [[]] * len(results)
+    for r in results:
+        floats = r["float_at_conversion"]
+        assert all(total == own > 0 for total, own in floats) and len(floats) == (3 if split == "tp2_ep2" else 0)
