@@ -125,17 +125,19 @@ def test_rows_do_not_depend_on_the_batch(monkeypatch):
 
 
 @interp
-def test_counters_are_left_zeroed_and_reused():
+def test_counters_are_left_zeroed_and_reused(monkeypatch):
     x, wq, ws = make(3, 48, 288, seed=6)
     cfg = Fp8GemmConfig(16, 16, 64, 3, 4, 1)
     counters = split_counters(3, x.device)
     first = fp8_gemm_fused(x, wq, ws, fuse=True, impl="triton", config=cfg, counters=counters)
     assert not counters.any()
     assert torch.equal(fp8_gemm_fused(x, wq, ws, fuse=True, impl="triton", config=cfg, counters=counters), first)
-    # a counter left non-zero (a launch that never finished) makes the wrong program sum: the check sees it. The
-    # launch just before it leaves other partials in memory the allocator may hand out again, so a sum read too
-    # early cannot equal ``first`` by reuse of the first call's partials
-    fp8_gemm_fused(x * -3.0, wq, ws, fuse=True, impl="triton", config=cfg, counters=counters)
+    # a counter left non-zero (a launch that never finished) makes the wrong program sum, before every partial
+    # is written: the check sees it. Fresh float memory is NaN here, so a partial read too early cannot equal
+    # ``first`` because the allocator handed back an earlier call's workspace
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda t: t.fill_(float("nan")) if t.is_floating_point()
+                                                         else t)(real_empty(*a, **k)))
     counters[0] = 1
     stale = torch.empty_like(first).fill_(float("nan"))
     fp8_gemm_triton(x, None, as_raw_bytes(wq), as_raw_bytes(ws), 32, 1, stale, cfg, quantize_a=True,
