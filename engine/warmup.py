@@ -62,6 +62,7 @@ def warmup_sizes(engine: Engine) -> tuple[int, ...]:
 def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpReport:
     """Run the throwaway batches (module docstring). Mutates the engine's pool (cached throwaway blocks), its
     graphs (captured) and nothing a client sees. Leaves no request behind."""
+    import xgrammar  # noqa: F401 - imported where first used (grammar/compiler.py); now, before any request
     sizes = tuple(sorted(warmup_sizes(engine) if sizes is None else sizes))
     block = engine.kvm.layout.block_size
     vocab = engine.model.cfg.vocab_size

@@ -32,6 +32,7 @@ import asyncio
 import codecs
 import contextlib
 import gc
+import importlib
 import inspect
 import logging
 import threading
@@ -309,6 +310,10 @@ def create_app(settings: ServerSettings, engine_client_factory: EngineClientFact
             if on_fatal is not None:
                 on_fatal()
             return
+        if settings.engine_config().warmup:
+            # the grammar engine, imported where first used (engine/grammar/compiler.py), loaded off the loop now
+            # so that no structured-output request waits for it
+            await asyncio.to_thread(importlib.import_module, "xgrammar")
         state.engine = engine
         logger.info("serving %s (max_model_len %s)", list(settings.model_names), engine.max_model_len)
         log_startup(settings, engine)  # device, pool, tiers, URL; the demo note as INFO

@@ -116,3 +116,13 @@ def test_no_root_folder_shadows_a_distribution_under_a_benchmark_command():
     assert _child(["-P"], ROOT, str(BENCHMARKS), names) == {}
     # without -P, `python3 -c` from the root has the root first: the check sees it
     assert "kernels" in _child([], ROOT, "", names)
+
+
+def test_the_api_process_and_the_engine_core_do_not_import_the_grammar_engine_at_start():
+    """xgrammar imports transformers (0.8 s of CPU per process): imported where a grammar is first used, or by
+    the warm-up (engine/grammar/compiler.py). A top-level ``import xgrammar`` in either process's modules fails
+    this."""
+    code = ("import sys, flashtier.server.app, flashtier.engine.parallel.rank_worker, flashtier.server.cli; "
+            "print(sorted(m for m in ('xgrammar', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -15,10 +15,15 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING
 
 from flashtier.engine.grammar.constraint import ConstraintKind, ConstraintSpec, OutputConstraint
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# xgrammar is imported where a grammar is first used: it imports transformers (0.8 s per process), which
+# a server that never constrains an output need not pay (the engine's warm-up imports it ahead of requests)
 
 __all__ = ["MAX_WHITESPACE", "ConstraintError", "GrammarCompiler", "GrammarVocab"]
 
@@ -45,6 +50,8 @@ class GrammarCompiler:
     """Thread-safe: xgrammar's compiler is, and ``compile`` keeps no state besides its cache."""
 
     def __init__(self, vocab: GrammarVocab, *, threads: int = 2) -> None:
+        import xgrammar as xgr
+
         info = xgr.TokenizerInfo(list(vocab.tokens), xgr.VocabType.BYTE_LEVEL, vocab_size=vocab.vocab_size,
                                  stop_token_ids=list(vocab.stop_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=True)
@@ -71,6 +78,8 @@ class GrammarCompiler:
         if kind is ConstraintKind.REGEX:
             return c.compile_regex(spec.source)
         if kind is ConstraintKind.CHOICE:
+            import xgrammar as xgr
+
             choices = json.loads(spec.source)
             return c.compile_grammar(xgr.Grammar.from_ebnf(_choice_ebnf(choices)))
         if kind is ConstraintKind.GRAMMAR:

@@ -19,8 +19,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 __all__ = ["ConstraintKind", "ConstraintSpec", "GrammarState", "OutputConstraint"]
 
@@ -64,6 +68,8 @@ class GrammarState:
 
     def __init__(self, constraint: OutputConstraint) -> None:
         self.constraint = constraint
+        import xgrammar as xgr  # imported by then: the grammar was compiled or deserialised with it
+
         self.matcher = xgr.GrammarMatcher(constraint.grammar)
         self.active = constraint.begin_after_token is None
 

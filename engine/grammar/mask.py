@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import xgrammar as xgr
 
 from flashtier.engine.grammar.constraint import GrammarState
 
@@ -21,6 +20,8 @@ def grammar_bitmask(grammars: Sequence[GrammarState | None], vocab: int) -> torc
     has an active grammar. Reads the grammars; mutates nothing."""
     if not any(g is not None and g.active for g in grammars):
         return None
+    import xgrammar as xgr  # a grammar is active: imported already (grammar/compiler.py says why lazily)
+
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)  # all ones
     for row, g in enumerate(grammars):
         if g is not None and g.active:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING
 
 from flashtier.engine.grammar.constraint import OutputConstraint
 from flashtier.engine.sample.params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 __all__ = ["ParamsDecoder", "ParamsEncoder", "WireConstraint", "WireParams"]
 
@@ -68,6 +70,8 @@ class ParamsDecoder:
         c = wire.constraint
         if c is None:
             return wire.params
+        import xgrammar as xgr  # the first grammar: engine/grammar/compiler.py says why lazily
+
         if c.tokenizer_json is not None:
             self._infos[c.vocab_key] = xgr.TokenizerInfo.deserialize_json(c.tokenizer_json)
         info = self._infos.get(c.vocab_key)

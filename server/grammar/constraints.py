@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
-
-import xgrammar as xgr
-from xgrammar.structural_tag import JSONSchemaFormat, OrFormat, StructuralTag
+from typing import TYPE_CHECKING, Any
 
 from flashtier.engine.grammar.compiler import MAX_WHITESPACE
 from flashtier.engine.grammar.constraint import ConstraintKind, ConstraintSpec
 from flashtier.server.http.errors import BadRequest
 from flashtier.server.protocol.request_models import NamedToolChoice, SamplingFields, Tool
+
+if TYPE_CHECKING:  # imported where used: engine/grammar/compiler.py says why
+    from xgrammar.structural_tag import StructuralTag
 
 __all__ = ["chat_constraint", "completion_constraint"]
 
@@ -72,6 +72,8 @@ def chat_constraint(body: SamplingFields, tools: list[Tool] | None, tool_choice:
                              param=answer.label.split(".")[0])
         calls = _calls_tag(tools, "required", parallel_tool_calls, ws)
         schema: dict[str, Any] | bool = json.loads(answer.source) if answer.kind is ConstraintKind.JSON_SCHEMA else True
+        from xgrammar.structural_tag import JSONSchemaFormat, OrFormat, StructuralTag
+
         answer_format = JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1 if compact else MAX_WHITESPACE)
         either = StructuralTag(format=OrFormat(elements=[answer_format, calls.format]))
         return ConstraintSpec(ConstraintKind.STRUCTURAL_TAG, either.model_dump_json(), answer.label)
@@ -85,6 +87,8 @@ def _calls_tag(tools: list[Tool], mode: str, parallel: bool, whitespace: int) ->
     params = [{"type": "function", "function": {"name": t.function.name,
                                                 "parameters": t.function.parameters or {"type": "object"}}}
               for t in tools]
+    import xgrammar as xgr
+
     try:
         return xgr.get_model_structural_tag(MODEL_FORMAT, tools=params, tool_choice=_xgr_choice(mode, tools),
                                             reasoning="disabled", parallel_tool_calls=parallel,
