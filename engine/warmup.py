@@ -7,9 +7,10 @@ first requests. ``warm_up`` runs throwaway requests through the real ``Engine.st
 prefill (chunked at the token budget), the first-token sampling and the captured decode steps all run once:
 
     for b in sizes:  b requests of one block + 8 tokens (distinct ids: no prefix sharing), 4 decode steps each
-    the smallest b also with prompts of 4 blocks + 16 tokens (beyond the sliding window: the compressed-KV and
-    indexer paths, and token counts divisible by 16, which Triton specialises on) and of one full token budget
-    (the largest prefill chunk)
+    the smallest b also with one prompt at a time of 4 blocks + 16 tokens and of exactly 4 blocks (beyond the
+    sliding window: the compressed-KV and indexer paths; the token count and every count derived from it, the
+    compressed entries included, on both sides of Triton's divisible-by-16 specialisation) and of one full
+    token budget (the largest prefill chunk)
 
 The tiers are detached meanwhile (nothing reaches the SSD tier or the snapshot pool) and the scheduler's and the
 engine's counters are restored afterwards, so /metrics starts from zero. The throwaway prompts' blocks stay in
@@ -39,10 +40,12 @@ DECODE_STEPS = 4  # the first decode step of a bucket captures its graph; the ne
 
 @dataclass(frozen=True)
 class WarmUpReport:
-    """What ``warm_up`` ran: the batch sizes in order and the seconds each took."""
+    """What ``warm_up`` ran: the batch sizes in order and the seconds each took (the smallest one's includes its
+    longer prompts, whose lengths ``long_prompts`` lists)."""
 
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
+    long_prompts: tuple[int, ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -59,6 +62,17 @@ def warmup_sizes(engine: Engine) -> tuple[int, ...]:
     return tuple(sorted({min(s, cap) for s in sizes}))
 
 
+def _long_prompts(engine: Engine) -> tuple[int, ...]:
+    """The smallest batch's longer prompt lengths (module docstring): 4 blocks + 16 and exactly 4 blocks (every
+    count derived from the length, the compressed entries at each ratio included, falls on both sides of
+    Triton's divisible-by-16 specialisation), and one full token budget; each capped to what the model length
+    and half the pool hold with its decode steps, distinct and ascending."""
+    block = engine.kvm.layout.block_size
+    cap = min(engine.max_model_len, engine.kvm.pool.num_usable * block // 2) - DECODE_STEPS - 1
+    wanted = (4 * block + 16, 4 * block, engine.config.max_num_batched_tokens)
+    return tuple(sorted({min(n, cap) for n in wanted if min(n, cap) > block + 8}))
+
+
 def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpReport:
     """Run the throwaway batches (module docstring). Mutates the engine's pool (cached throwaway blocks), its
     graphs (captured) and nothing a client sees. Leaves no request behind."""
@@ -69,6 +83,7 @@ def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpRepor
     scheduler = engine.scheduler
     tiers, stats, prompt_tokens = scheduler.tiers, copy.copy(scheduler.stats), engine.prompt_tokens
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    long_prompts = _long_prompts(engine)
     seconds = []
     scheduler.tiers = None
     try:
@@ -80,6 +95,13 @@ def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpRepor
                 engine.add_request(f"warmup-{b}-{i}", prompt, params, cache_salt=WARMUP_SALT)
             while engine.has_unfinished():
                 engine.step()
+            if b == sizes[0]:
+                for n in long_prompts:  # one at a time: each is its own shape of the prefill kernels
+                    start = 3000 + n * 131
+                    engine.add_request(f"warmup-long-{n}", [(start + j) % vocab for j in range(n)], params,
+                                       cache_salt=WARMUP_SALT)
+                    while engine.has_unfinished():
+                        engine.step()
             seconds.append(time.monotonic() - t0)
             log.info("warm-up: batch %d in %.2f s", b, seconds[-1])
     finally:
@@ -89,6 +111,6 @@ def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpRepor
         for f in fields(stats):  # in place: whoever holds the stats object sees the restored values
             setattr(scheduler.stats, f.name, getattr(stats, f.name))
         engine.prompt_tokens = prompt_tokens
-    report = WarmUpReport(tuple(sizes), tuple(seconds))
+    report = WarmUpReport(tuple(sizes), tuple(seconds), long_prompts)
     log.info("warm-up: %d batch sizes (%s) in %.1f s", len(sizes), ",".join(map(str, sizes)), report.total_s)
     return report

@@ -48,8 +48,14 @@ def test_warm_up_leaves_nothing_behind_and_changes_no_answer(tmp_path, fresh_tok
     try:
         stats, stats_before, prompt_tokens = engine.scheduler.stats, copy.copy(engine.scheduler.stats), \
             engine.prompt_tokens
+        lengths = []
+        add = engine.add_request
+        engine.add_request = lambda rid, prompt, *a, **k: (lengths.append(len(prompt)), add(rid, prompt, *a, **k))[1]
         report = warm_up(engine, sizes=(1, 3))
+        del engine.add_request
         assert report.sizes == (1, 3) and len(report.seconds) == 2
+        # one block + 8 at each size; at the smallest also 4 blocks, 4 blocks + 16 and the whole token budget (512)
+        assert report.long_prompts == (64, 80, 512) and lengths == [24, 64, 80, 512, 24, 24, 24], lengths
         assert not engine.has_unfinished() and engine.scheduler.requests == {}
         assert engine.scheduler.stats is stats and stats == stats_before and engine.prompt_tokens == prompt_tokens
         assert engine.scheduler.tiers is not None  # reattached
