@@ -1,10 +1,10 @@
 """Shared test set-up: Triton kernels run interpreted on the CPU, and torch stays deterministic.
 
-Scheduling under ``make test`` (``-n 2 --dist loadgroup --no-loadscope-reorder``): every test gets an xdist
-group, so that a file's tests stay on one worker (module fixtures, servers, are built once) and the ``slow``
-tests form ONE group, run one after another on one worker (two fault suites at once starve each other's
-timing windows) while the other worker takes the files. The groups are queued heaviest first, so no long
-file starts last and leaves a core idle at the end. ``serial`` tests are not run there: they need an
+Scheduling under ``make test`` (``-n 3 --dist loadgroup --no-loadscope-reorder``; the Makefile says why three):
+every test gets an xdist group, so that a file's tests stay on one worker (module fixtures, servers, are built
+once) and the ``slow`` tests form ONE group, run one after another on one worker (two fault suites at once starve
+each other's timing windows) while the other workers take the files. The groups are queued heaviest first, so no
+long file starts last and leaves a worker alone at the end. ``serial`` tests are not run there: they need an
 otherwise idle machine and get a pass of their own.
 """
 
