@@ -191,18 +191,22 @@ class TableFile:
         codes = math.prod(self.shape)
         return ByteRange(self.path, 0, codes), ByteRange(self.path, codes, math.prod(self.scale_shape))
 
-    def create(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Create the file at its full size, sparse (every byte 0 until written), and return writable shared
-        views ``(codes, scales)`` of it: writes reach the file's pages, which every later mapping shares."""
+    def create(self) -> None:
+        """Create the file at its full size, sparse (every byte 0 until written)."""
         codes, scales = self.ranges
         with open(self.path, "wb") as f:
             f.truncate(codes.nbytes + scales.nbytes)
+
+    def writable(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writable shared views ``(codes, scales)`` of the created file: writes reach the file's pages, which
+        every other mapping of it shares (several processes may fill disjoint rows at once)."""
+        codes, scales = self.ranges
         flat = torch.from_file(str(self.path), shared=True, size=codes.nbytes + scales.nbytes, dtype=torch.uint8)
         return flat[: codes.nbytes].view(self.shape), flat[codes.nbytes :].view(self.scale_shape)
 
     def fill(self, codes: torch.Tensor, scales: torch.Tensor, start: int, weight: torch.Tensor) -> None:
         """Quantise float rows ``weight`` (any device; values fp8 rows hold exactly, e.g. drawn by
-        ``draw_parameter``) into rows ``[start, start + len(weight))`` of the views ``create`` returned.
+        ``draw_parameter``) into rows ``[start, start + len(weight))`` of the views ``writable`` returned.
         ValueError when they are not exact in fp8 rows."""
         q, sc = quantize_fp8_weight(weight.float(), block=ROW_BLOCK)
         back = dequantize_fp8_weight(q, sc, block=ROW_BLOCK)

@@ -13,9 +13,10 @@ soon as its last tensor is drawn (``BlockConversion``, as a checkpoint load does
 ``place_in_formats_``. The transient: one tensor in float32 + one block's float experts.
 
 The Engram tables (host memory, ``host_engram``) are drawn once per host, not once per rank: global rank 0
-writes each into a file (``TableFile``: /dev/shm when it has the room, so the bytes are memory the host
-shares) chunk by chunk, every rank maps it read-only as it maps a checkpoint's table, and the file's name is
-removed once all have mapped it (the pages live as long as a mapping). ``sparse_tables`` leaves the files
+creates a file per table (``TableFile``: /dev/shm when it has the room, so the bytes are memory the host
+shares), the ranks fill its 1M-row chunks side by side (chunk i by rank i mod world), every rank maps it
+read-only as it maps a checkpoint's table, and the file's name is removed once all have mapped it (the pages
+live as long as a mapping). ``sparse_tables`` leaves the files
 unwritten: zero rows, no memory until touched (the one-GPU emulation of the real geometry).
 """
 
@@ -101,11 +102,12 @@ def _table_dir(table_dir: Path | None, nbytes: int) -> Path:
 
 def _shared_tables(model: Transformer, shapes: dict[str, tuple[int, int]], formats: dict[str, str],
                    device: torch.device, seed: int, table_dir: Path | None, sparse: bool) -> dict[int, HostTable]:
-    """The tables ``shapes`` (name -> whole shape) drawn by global rank 0 into one file each and mapped by every
-    rank: collective over the world group (a broadcast of the directory, two barriers)."""
+    """The tables ``shapes`` (name -> whole shape) in one file each, created by global rank 0, filled by every
+    rank (chunk i by rank i mod world, so the GPUs draw side by side) and mapped read-only by every rank:
+    collective over the world group (a broadcast of the directory, three barriers)."""
     rank, world = _world()
-    files = {name: TableFile(Path(), shape) for name, shape in shapes.items()}
-    nbytes = 0 if sparse else sum(sum(r.nbytes for r in f.ranges) for f in files.values())
+    shaped = {name: TableFile(Path(), shape) for name, shape in shapes.items()}
+    nbytes = 0 if sparse else sum(sum(r.nbytes for r in f.ranges) for f in shaped.values())
     where = [str(tempfile.mkdtemp(prefix="flashtier-engram-", dir=_table_dir(table_dir, nbytes)))] if rank == 0 \
         else [None]
     if world > 1:
@@ -114,9 +116,14 @@ def _shared_tables(model: Transformer, shapes: dict[str, tuple[int, int]], forma
     files = {name: TableFile(directory / f"{name}.bin", shape) for name, shape in shapes.items()}
     try:
         if rank == 0:
+            for table in files.values():
+                table.create()
+        if world > 1:
+            dist.barrier()
+        if not sparse:
             for name, table in files.items():
-                codes, scales = table.create()
-                for start in range(0, 0 if sparse else table.shape[0], TABLE_CHUNK_ROWS):
+                codes, scales = table.writable()
+                for start in range(rank * TABLE_CHUNK_ROWS, table.shape[0], world * TABLE_CHUNK_ROWS):
                     rows = (start, min(start + TABLE_CHUNK_ROWS, table.shape[0]))
                     table.fill(codes, scales, start, draw_parameter(name, table.shape, formats[name], seed=seed,
                                                                     device=device, rows=rows))

@@ -22,6 +22,7 @@ from flashtier.server.grammar.constraints import chat_constraint
 from flashtier.server.text.dsml import DsmlStreamParser
 from flashtier.server.serving.engine_stream import EngineStream
 from flashtier.server.http.errors import BadRequest
+from flashtier.server.http.frontend_pool import INLINE_CHARS
 from flashtier.server.serving.generation import Generation
 from flashtier.server.protocol.request_models import ChatCompletionRequest
 from flashtier.server.serving.request_checks import check_common, resolve_max_tokens
@@ -59,10 +60,17 @@ async def prepare_chat_job(state: ServerState, request: Request, body: ChatCompl
                                chat_template_kwargs=body.chat_template_kwargs,
                                add_generation_prompt=body.add_generation_prompt)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = resolve_max_tokens(
-        len(prompt.ids), requested, engine.max_model_len, prompt_param="messages",
-        tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-        default=state.settings.max_tokens_default)
+    try:
+        max_tokens = resolve_max_tokens(
+            len(prompt.ids), requested, engine.max_model_len, prompt_param="messages",
+            tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+            default=state.settings.max_tokens_default)
+    except BadRequest:
+        if len(prompt.ids) > INLINE_CHARS:  # a prompt too long for the model: freed on a worker, not the loop
+            held = [prompt]
+            del prompt
+            state.cpu_pool.release_later(held)
+        raise
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     spec = chat_constraint(body, body.tools, body.tool_choice, body.parallel_tool_calls)
     constraint = None

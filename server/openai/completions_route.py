@@ -95,9 +95,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     streams, echoes = [], []
     salt = state.cache_salt(request, body.cache_salt)
     for i, prompt in enumerate(prompts):
-        max_tokens = resolve_max_tokens(len(prompt.ids), body.max_tokens, engine.max_model_len,
-                                        prompt_param="prompt", tokens_param="max_tokens",
-                                        default=state.settings.max_tokens_default)
+        try:
+            max_tokens = resolve_max_tokens(len(prompt.ids), body.max_tokens, engine.max_model_len,
+                                            prompt_param="prompt", tokens_param="max_tokens",
+                                            default=state.settings.max_tokens_default)
+        except BadRequest:
+            if sum(len(p.ids) for p in prompts) > INLINE_CHARS:  # freed on a worker, not the loop
+                held = [*prompts]
+                prompts.clear()
+                del prompt
+                state.cpu_pool.release_later(held)
+            raise
         params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, constraint=constraint)
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         streams.append(EngineStream(engine, rid, prompt.ids, params, salt))

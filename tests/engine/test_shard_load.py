@@ -50,6 +50,7 @@ from flashtier.engine.model.config import preset
 from flashtier.engine.model.device_loader import load_parts_, place_in_formats_
 from flashtier.engine.model.dspark import dspark_skip
 from flashtier.engine.model.incremental import IncrementalModel, greedy_generate
+from flashtier.engine.model import init as model_init
 from flashtier.engine.model.init import random_model, random_model_on_device
 from flashtier.engine.model.loader import load_model, meta_model, save_model
 from flashtier.engine.model.sharded_reader import TensorSlice
@@ -57,6 +58,7 @@ from flashtier.engine.model.transformer import Transformer
 from flashtier.engine.parallel import ParallelConfig, init_distributed, shard_model_, shutdown_distributed
 from flashtier.engine.parallel.expert_parallel_moe import ExpertParallelMoE
 from flashtier.engine.parallel.rank_engine import load_rank_model
+from flashtier.engine.parallel import rank_random
 from flashtier.engine.parallel.rank_random import random_rank_model
 from flashtier.engine.parallel.shard_model import rank_slices
 
@@ -340,11 +342,14 @@ def test_a_broken_load_is_caught(cases, tmp_path):
 
 
 @pytest.mark.parametrize(("split", "dtype"), [("tp2_ep2", torch.bfloat16), ("tp2", torch.float32)])
-def test_a_rank_draws_its_share_of_the_one_process_demo_model(split, dtype, tmp_path):
+def test_a_rank_draws_its_share_of_the_one_process_demo_model(split, dtype, tmp_path, monkeypatch):
     """The demo's weights at TP > 1 on CUDA (run here on the CPU): each rank draws only its share
     (``random_rank_model``), which equals the one-process ``random_model_on_device`` sharded and placed, bit for
     bit (parameters, buffers, the mapped host tables, module classes); the EP blocks convert as they complete;
-    the table files are gone once every rank mapped them."""
+    the table files are gone once every rank mapped them. The table chunks are cut to 256 rows here (in both
+    draws), so that both ranks fill some of the shared table."""
+    for module in (model_init, rank_random):
+        monkeypatch.setattr(module, "TABLE_CHUNK_ROWS", 256)
     cfg = preset("tiny").replace(**MANY_EXPERTS)
     whole = random_model_on_device(cfg, "cpu", seed=RANDOM_SEED, dtype=dtype, with_dspark=False, host_engram=False)
     (tmp_path / "tables").mkdir()
