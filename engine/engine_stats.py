@@ -20,11 +20,14 @@ other key is a counter (exported with ``_total``). Faults are counted by cause:
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from flashtier.engine.spec.controller import SpecController
-from flashtier.engine.spec.stats import SpecStats
-from flashtier.engine.tiers.manager import TierManager
 from flashtier.kvstore.ssd.health import WRITE_CAUSES
+
+if TYPE_CHECKING:  # annotations only: the API process imports this module and needs neither the model nor tiers
+    from flashtier.engine.spec.controller import SpecController
+    from flashtier.engine.spec.stats import SpecStats
+    from flashtier.engine.tiers.manager import TierManager
 
 _SSD = ("bytes", "entries", "segments", "oldest_entry_age_s", "admission_refusals", "expirations",
         "corrupt_records", "bytes_read", "bytes_written", "hits", "misses", "read_errors", "torn_bytes",
