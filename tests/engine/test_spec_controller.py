@@ -4,7 +4,9 @@ Each simulated step: the controller picks k for n decoding sequences, the step "
 the fake clock, and every VERIFY work accepts its drafts one by one with probability ``accept`` (a seeded RNG),
 recorded in ``SpecStats`` as the verifier does. Checked:
 
-- cold start runs k = 0 then k = 1 (3 clean steps each) and, at zero acceptance, never drafts more than 1;
+- cold start runs k = 0 then k = 1 (3 clean steps each; k = 1 stops at its first clean step when even full
+  acceptance could not pay: a drafting step ~8x a plain one) and, at zero acceptance, never drafts more than 1;
+  over a 300-step run at zero acceptance the cost stays under 5%;
 - at zero acceptance over 4,000 steps the tokens per second stay within 5% of never speculating (probing and
   cold start included) while the controller keeps re-probing k = 1; with ``PROBE_BUDGET`` 0 it never re-probes
   (the "broken" case: it can then not switch back, which the next test catches);
@@ -83,11 +85,28 @@ def test_buckets():
 
 def test_cold_start_then_off_at_zero_acceptance():
     sim = Sim().run(40)
-    # cold start: three clean plain steps, then one draft: a step from cold rings (not counted) + three clean
-    assert sim.ks[:7] == [0, 0, 0, 1, 1, 1, 1]
-    assert set(sim.ks[7:]) == {0}  # off; 2 and 3 never tried (p_1 = 0 bounds them)
+    # cold start: three clean plain steps, then one draft: a step from cold rings (not counted) and one clean
+    # step, whose time alone rules drafting out (even accepting every draft, 2 tokens in 8x a plain step)
+    assert sim.ks[:6] == [0, 0, 0, 1, 1, 0]
+    assert set(sim.ks[6:]) == {0}  # off; 2 and 3 never tried (p_1 = 0 bounds them)
     assert sim.ctl.acceptance(1) == 0.0 and sim.ctl.expected_tokens(3, optimistic=True) == 1.0
-    assert sim.ctl.steps_by_length == [36, 4, 0, 0] and sim.ctl.draft_length == 0
+    assert sim.ctl.steps_by_length == [38, 2, 0, 0] and sim.ctl.draft_length == 0
+
+
+def test_a_drafting_probe_that_could_pay_is_measured_in_full():
+    """Drafting at 1.2x a plain step could pay (full acceptance of 1 draft: 2 tokens): the probe runs its three
+    clean steps (a cold-rings step first) even at zero acceptance; the early end is for hopeless probes only."""
+    sim = Sim(cost=lambda n, k: 0.030 * (1.2 if k else 1.0)).run(40)
+    assert sim.ks[:8] == [0, 0, 0, 1, 1, 1, 1, 0]
+
+
+def test_zero_acceptance_over_a_short_run_costs_under_5_percent():
+    """300 steps at batch 1 and 8 (a conversation turn): the cold start's drafting steps are the whole cost.
+    Measured in full (4 drafting steps), the probe cost 8.7% at batch 1 and 7.4% at 8 (fails this); ending
+    it at its first clean step: 4.5% and 3.8%."""
+    for n in (1, 8):
+        ratio = Sim().run(300, n).ratio(n)
+        assert ratio >= 0.95, (n, ratio)
 
 
 @pytest.mark.parametrize("budget", [ctl_mod.PROBE_BUDGET, 0.0], ids=["probing", "broken-no-probing"])
