@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -220,7 +221,7 @@ def main() -> None:
     rows = [run_batch(model, int(b), args.prompt, args.steps, device, args.dtype, log, link, args.tp)
             for b in args.batches.split(",")]
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "command": "python3 -P benchmarks/rank0_emulation.py " + " ".join(sys.argv[1:]),
+           "command": "python3 -P benchmarks/rank0_emulation.py " + shlex.join(sys.argv[1:]),
            "preset": args.preset, "split": f"TP {args.tp} + EP {args.tp}, rank 0 emulated on one device",
            "link_model": {"alpha_us": args.alpha_us, "GBps": args.link_GBps, "basis": "assumption, not measured"},
            "moe_load": args.load, "model_create_s": round(made_s, 1), "rows": rows,
