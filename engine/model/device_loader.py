@@ -58,7 +58,8 @@ def _convert_sharded_experts_(model: nn.Module, device: torch.device | str) -> i
     """Put the experts of every module of ``model`` that converts its own (``convert_experts_(device)``: a
     sharded model's expert-parallel blocks) into their stored formats on ``device``, in place; returns the
     bytes now resident for them. Matched by the method's name: engine/model may not import engine/parallel.
-    Shared by ``place_in_formats_`` and ``load_parts_`` so that both paths give the same modules, bit for bit.
+    ``load_parts_`` converts the same blocks one by one as they complete (``BlockConversion``), so that both
+    paths give the same modules, bit for bit.
     A module already converted is left as it is; ValueError (from the module) on unequal expert shapes."""
     return sum(module.convert_experts_(device) for module in list(model.modules())
                if callable(getattr(module, "convert_experts_", None)))
@@ -163,8 +164,6 @@ def load_parts_(
     if left or pending:
         raise ValueError(f"{reader.directory}: the checkpoint left {len(left)} tensors unset (e.g. {left[:3]}) and "
                          f"{len(pending)} MoE layers incomplete")
-    if formats:
-        _convert_sharded_experts_(model, device)  # every block converted above already: a no-op kept as a guard
     return model.eval()
 
 

@@ -90,6 +90,21 @@ def _table_memory(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
+def scale_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    """The e8m0 scales' shape beside fp8-row codes of ``shape`` ``[R, hd]``: ``[R, hd/32]`` (rounded up)."""
+    return shape[0], -(-shape[1] // ROW_BLOCK[1])
+
+
+def exact_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Float rows ``weight`` (any device) as fp8-row codes and scales (uint8 views), or None when fp8 rows do not
+    hold them exactly (values and signs of zeros, compared in ``weight``'s dtype)."""
+    q, s = quantize_fp8_weight(weight.float(), block=ROW_BLOCK)
+    back = dequantize_fp8_weight(q, s, block=ROW_BLOCK).to(weight.dtype)
+    if not (torch.equal(back, weight) and torch.equal(back.signbit(), weight.signbit())):
+        return None
+    return as_raw_bytes(q), as_raw_bytes(s)
+
+
 @dataclass(frozen=True)
 class HostTable:
     """One Engram layer's table in host memory, in the checkpoint's stored form.
@@ -108,8 +123,7 @@ class HostTable:
             raise ValueError(f"data must be a 2-D host tensor [R, hd], got {tuple(self.data.shape)} on "
                              f"{self.data.device}")
         if self.scale is not None:
-            r, hd = self.data.shape
-            want = (r, -(-hd // ROW_BLOCK[1]))
+            want = scale_shape(tuple(self.data.shape))
             if self.data.dtype != torch.uint8 or self.scale.dtype != torch.uint8 or tuple(self.scale.shape) != want:
                 raise ValueError(f"scale must be uint8 {want} beside uint8 codes {tuple(self.data.shape)}, got "
                                  f"{self.scale.dtype} {tuple(self.scale.shape)} and codes {self.data.dtype}")
@@ -149,7 +163,7 @@ class HostTable:
         ValueError when the ranges do not hold those shapes."""
         r, hd = shape
         codes = map_region(data, torch.uint8, (r, hd))
-        scales = map_region(scale, torch.uint8, (r, -(-hd // ROW_BLOCK[1])))
+        scales = map_region(scale, torch.uint8, scale_shape(shape))
         regs = tuple(x for x in (_register(codes, register), _register(scales, register)) if x is not None)
         return cls(codes, scales, regs)
 
@@ -161,16 +175,14 @@ class HostTable:
         a few chunk-sized temporaries (``_CHUNK_ROWS`` rows)."""
         r, hd = weight.shape
         codes = _table_memory((r, hd), torch.uint8, pin)
-        scales = _table_memory((r, -(-hd // ROW_BLOCK[1])), torch.uint8, pin)
+        scales = _table_memory(scale_shape((r, hd)), torch.uint8, pin)
         for a in range(0, r, _CHUNK_ROWS):
-            w = weight[a : a + _CHUNK_ROWS]
-            q, s = quantize_fp8_weight(w.float(), block=ROW_BLOCK)
-            back = dequantize_fp8_weight(q, s, block=ROW_BLOCK).to(w.dtype)
-            if not (torch.equal(back, w) and torch.equal(back.signbit(), w.signbit())):
+            rows = exact_fp8_rows(weight[a : a + _CHUNK_ROWS])
+            if rows is None:
                 del codes, scales
                 return cls(_table_memory((r, hd), weight.dtype, pin).copy_(weight), None)
-            codes[a : a + _CHUNK_ROWS].copy_(as_raw_bytes(q))
-            scales[a : a + _CHUNK_ROWS].copy_(as_raw_bytes(s))
+            codes[a : a + _CHUNK_ROWS].copy_(rows[0])
+            scales[a : a + _CHUNK_ROWS].copy_(rows[1])
         return cls(codes, scales)
 
 
@@ -182,38 +194,37 @@ class TableFile:
     path: Path
     shape: tuple[int, int]
 
-    @property
-    def scale_shape(self) -> tuple[int, int]:
-        return self.shape[0], -(-self.shape[1] // ROW_BLOCK[1])
+    @staticmethod
+    def size(shape: tuple[int, int]) -> int:
+        """The file's bytes for a table of ``shape``: its codes and its scales."""
+        return math.prod(shape) + math.prod(scale_shape(shape))
 
     @property
     def ranges(self) -> tuple[ByteRange, ByteRange]:
         codes = math.prod(self.shape)
-        return ByteRange(self.path, 0, codes), ByteRange(self.path, codes, math.prod(self.scale_shape))
+        return ByteRange(self.path, 0, codes), ByteRange(self.path, codes, math.prod(scale_shape(self.shape)))
 
     def create(self) -> None:
         """Create the file at its full size, sparse (every byte 0 until written)."""
-        codes, scales = self.ranges
         with open(self.path, "wb") as f:
-            f.truncate(codes.nbytes + scales.nbytes)
+            f.truncate(self.size(self.shape))
 
     def writable(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable shared views ``(codes, scales)`` of the created file: writes reach the file's pages, which
         every other mapping of it shares (several processes may fill disjoint rows at once)."""
-        codes, scales = self.ranges
-        flat = torch.from_file(str(self.path), shared=True, size=codes.nbytes + scales.nbytes, dtype=torch.uint8)
-        return flat[: codes.nbytes].view(self.shape), flat[codes.nbytes :].view(self.scale_shape)
+        codes = math.prod(self.shape)
+        flat = torch.from_file(str(self.path), shared=True, size=self.size(self.shape), dtype=torch.uint8)
+        return flat[:codes].view(self.shape), flat[codes:].view(scale_shape(self.shape))
 
     def fill(self, codes: torch.Tensor, scales: torch.Tensor, start: int, weight: torch.Tensor) -> None:
         """Quantise float rows ``weight`` (any device; values fp8 rows hold exactly, e.g. drawn by
         ``draw_parameter``) into rows ``[start, start + len(weight))`` of the views ``writable`` returned.
         ValueError when they are not exact in fp8 rows."""
-        q, sc = quantize_fp8_weight(weight.float(), block=ROW_BLOCK)
-        back = dequantize_fp8_weight(q, sc, block=ROW_BLOCK)
-        if not (torch.equal(back, weight.float()) and torch.equal(back.signbit(), weight.float().signbit())):
+        rows = exact_fp8_rows(weight.float())
+        if rows is None:
             raise ValueError(f"{self.path}: rows from {start} are not exact in fp8 rows")
-        codes[start : start + weight.shape[0]].copy_(as_raw_bytes(q))
-        scales[start : start + weight.shape[0]].copy_(as_raw_bytes(sc))
+        codes[start : start + weight.shape[0]].copy_(rows[0])
+        scales[start : start + weight.shape[0]].copy_(rows[1])
 
     def map(self, *, register: bool) -> HostTable:
         """The file's table, mapped read-only and shared (``HostTable.map_stored``)."""

@@ -106,8 +106,7 @@ def _shared_tables(model: Transformer, shapes: dict[str, tuple[int, int]], forma
     rank (chunk i by rank i mod world, so the GPUs draw side by side) and mapped read-only by every rank:
     collective over the world group (a broadcast of the directory, three barriers)."""
     rank, world = _world()
-    shaped = {name: TableFile(Path(), shape) for name, shape in shapes.items()}
-    nbytes = 0 if sparse else sum(sum(r.nbytes for r in f.ranges) for f in shaped.values())
+    nbytes = 0 if sparse else sum(TableFile.size(shape) for shape in shapes.values())
     where = [str(tempfile.mkdtemp(prefix="flashtier-engram-", dir=_table_dir(table_dir, nbytes)))] if rank == 0 \
         else [None]
     if world > 1:
