@@ -63,6 +63,11 @@ VARIANTS = [  # candidate launch configs (each used for both projections; the ta
     C(split_k=2), C(split_k=4), C(split_k=8),    # more programs at decode sizes
     C(block_n=32, split_k=4), C(block_n=128, num_warps=8, split_k=2),
     C(block_k=128, split_k=2), C(num_stages=1, split_k=4), C(sub_tiles=2, split_k=4),
+    # the same shapes with the integer decoder ("bits": ~3 instructions per weight element instead of ~9)
+    C(decode="bits"), C(split_k=2, decode="bits"), C(split_k=4, decode="bits"), C(split_k=8, decode="bits"),
+    C(block_n=128, num_warps=8, split_k=2, decode="bits"), C(block_n=128, num_warps=4, split_k=4, decode="bits"),
+    C(block_k=128, split_k=2, decode="bits"), C(block_k=128, split_k=4, decode="bits"),
+    C(sub_tiles=2, split_k=4, decode="bits"),
 ]
 
 
@@ -221,7 +226,7 @@ def time_variants(moe, batches, variants, rate, peak, device) -> list[dict]:
 def print_variant(row: dict) -> None:
     c = row["config"]
     name = (f"n{c['block_n']} k{c['block_k']} t{c['sub_tiles']} w{c['num_warps']} s{c['num_stages']} "
-            f"split{c['split_k']}")
+            f"split{c['split_k']} {c.get('decode', 'cvt')}")
     if "error" in row:
         print(f"  {name:<34} FAILED: {row['error'][-300:]}", flush=True)
         return

@@ -75,6 +75,46 @@ from flashtier.kernels.moe.tile_kernel import _swiglu_qdq, _tile_rows
 WORKSPACE_BYTES = 128 << 20  # split-K partials per window: 64 decode tokens at S = 8 fit in one window
 MAX_SPLIT_K = 64
 TOKEN_TILE = 16  # rows per M tile (moe_align's block): the MMA's narrow side, never chosen from the batch
+DECODES = ("cvt", "bits")
+
+# Four MXFP4 bytes (eight e2m1 codes: element 2j in the low nibble of byte j) and their four bf16 scale
+# multipliers 2^(s - 127) -> the four even and four odd elements as bf16 pairs, exact. Per pair of codes n:
+# (n * 0x1040) & 0x81C0 puts the 3 magnitude bits at bf16 bits 8..6 (exponent low bits, mantissa top) and the
+# sign at bit 15: that bf16 is the e2m1 value * 2^-126 (e = 0, n = 1: the subnormal 0.5 * 2^-126), so one FMA
+# by 2^126 and one by the multiplier give value * 2^(s - 127), exact (at most 2 significant bits; bf16
+# subnormals are kept by fma.rn.bf16x2). ~3 instructions per element, against ~9 and two conversions of "cvt".
+# Operands: $0 $1 even pairs, $2 $3 odd pairs (outputs); $4 the bytes; $5 $6 the multipliers of bytes 0 1 / 2 3.
+_E2M1_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 ev, od, p, z, c, m;
+mov.b32 z, 0;
+mov.b32 c, 0x7E807E80;
+mov.b32 m, 0x80008000;
+and.b32 ev, $4, 0x0F0F0F0F;
+shr.b32 od, $4, 4;
+and.b32 od, od, 0x0F0F0F0F;
+prmt.b32 p, ev, z, 0x4140;
+mul.lo.u32 p, p, 0x1040;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 p, p, c, m;
+fma.rn.bf16x2 $0, p, $5, m;
+prmt.b32 p, ev, z, 0x4342;
+mul.lo.u32 p, p, 0x1040;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 p, p, c, m;
+fma.rn.bf16x2 $1, p, $6, m;
+prmt.b32 p, od, z, 0x4140;
+mul.lo.u32 p, p, 0x1040;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 p, p, c, m;
+fma.rn.bf16x2 $2, p, $5, m;
+prmt.b32 p, od, z, 0x4342;
+mul.lo.u32 p, p, 0x1040;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 p, p, c, m;
+fma.rn.bf16x2 $3, p, $6, m;
+}
+""")
 
 
 @dataclass(frozen=True)
@@ -88,6 +128,7 @@ class MoEGemmConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 1  # K splits (each split a program): parallelism at decode sizes
+    decode: str = "cvt"  # weight decode on the GPU: "cvt" (hardware fp8 conversions) or "bits" (integer + bf16 FMA)
 
     def __post_init__(self) -> None:
         pow2 = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0 and not v & (v - 1)  # noqa: E731
@@ -99,6 +140,8 @@ class MoEGemmConfig:
             raise ValueError(f"MoEGemmConfig: num_warps a power of two, num_stages in [1, 8]; got {self}")
         if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"MoEGemmConfig: split_k must be an int in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
+        if self.decode not in DECODES:
+            raise ValueError(f"MoEGemmConfig: decode must be one of {DECODES}, got {self.decode!r}")
 
 
 @triton.jit
@@ -134,12 +177,26 @@ def _e2m1_as_e4m3(b):
 
 
 @triton.jit
-def _decode_weights(b_w, b_s, FP8_W: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+def _e8m0_bf16(b_s):
+    """bf16 2^(s - 127) for uint8 e8m0 bytes (0 -> the subnormal 2^-127, 255 -> NaN), built from bits."""
+    b = b_s.to(tl.int32)
+    bits = tl.where(b == 0, 0x0040, tl.where(b == 255, 0x7FC0, b << 7))
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _decode_weights(b_w, b_s, FP8_W: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, DECODE: tl.constexpr):
     """Raw bytes from ``_load_weights`` -> (even, odd) elements, each [BN, BK / 2] in DT with the scale folded in
-    (exact)."""
+    (exact). ``DECODE`` "bits" (MXFP4 on the GPU): integer ops and two bf16 FMAs per pair (``_E2M1_PAIRS_ASM``)."""
     BN: tl.constexpr = b_w.shape[0]
     HALF: tl.constexpr = BK // 2
     NS: tl.constexpr = BK // 32
+    if DECODE == "bits" and not FP8_W and DT == tl.bfloat16:
+        b_m = _e8m0_bf16(b_s)
+        b_m = tl.reshape(tl.broadcast_to(b_m[:, :, None], (BN, NS, 16)), (BN, HALF))
+        b_even, b_odd = tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [b_w, b_m],
+                                                  dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return b_even, b_odd
     # one scale per 16 even (odd) elements: repeat each 16 times in registers
     b_sf = _e8m0_to_f32(b_s.to(tl.int32))
     b_sf = tl.reshape(tl.broadcast_to(b_sf[:, :, None], (BN, NS, 16)), (BN, HALF))
@@ -210,7 +267,7 @@ def _chunk(
     c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, base_q, base_s, p_out, p_part,
     n_pairs, n_tok, top_k, n_rblocks, m_lo, K, N, stride_a, stride_out, stride_ps, stride_ph, stride_pr, limit,
     GATED: tl.constexpr, FP8_W: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    MT: tl.constexpr, DT: tl.constexpr, SPLIT_K: tl.constexpr,
+    MT: tl.constexpr, DT: tl.constexpr, SPLIT_K: tl.constexpr, DECODE: tl.constexpr,
 ):
     """Tiles [c0, min(c0 + MT, t1)) of one expert (routed: MXFP4 at ``base_q`` / ``base_s``; shared: FP8) over
     split ``i_k``: each weight step is loaded and decoded once and multiplied into every live tile."""
@@ -257,10 +314,10 @@ def _chunk(
         if GATED:
             b_w3_nxt, b_s3_nxt = _load_weights(p_wq, p_ws, base_q, base_s, o_n + w3_rows, m_n, k0 + BK, K, live,
                                                FP8_W, BK)
-        b_we, b_wo = _decode_weights(b_w, b_s, FP8_W, BK, DT)
+        b_we, b_wo = _decode_weights(b_w, b_s, FP8_W, BK, DT, DECODE)
         b_we3, b_wo3 = b_we, b_wo
         if GATED:
-            b_we3, b_wo3 = _decode_weights(b_w3, b_s3, FP8_W, BK, DT)
+            b_we3, b_wo3 = _decode_weights(b_w3, b_s3, FP8_W, BK, DT, DECODE)
         b_a0, b_b0 = _mma_tile(p_a, o_a0, m_r0, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a0, b_b0, GATED, BT, BK,
                                DT)
         if MT > 1:
@@ -297,7 +354,7 @@ def _moe_gemm_kernel(
     n_pairs, n_tok, top_k, n_exp, n_rblocks, n_m, m_lo, m_hi, K_R, K_S, N_R, N_S, stride_a, stride_out,
     stride_ps, stride_ph, stride_pr, limit,
     GATED: tl.constexpr, UPCAST: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    MT: tl.constexpr, SPLIT_K: tl.constexpr,
+    MT: tl.constexpr, SPLIT_K: tl.constexpr, DECODE: tl.constexpr,
 ):
     # Traffic per program: BN (x2 when GATED) weight rows of K / SPLIT_K elements, read once; each live tile's
     # BT activation rows of as many (L2 hits after the first N tile).
@@ -320,11 +377,11 @@ def _moe_gemm_kernel(
             _chunk(c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, e64 * n_w * (K_R // 2),
                    e64 * n_w * (K_R // 32), p_out, p_part, n_pairs, n_tok, top_k, n_rblocks, m_lo, K_R, N_R,
                    stride_a, stride_out, stride_ps, stride_ph, stride_pr, limit,
-                   GATED, False, BT, BN, BK, MT, DT, SPLIT_K)
+                   GATED, False, BT, BN, BK, MT, DT, SPLIT_K, DECODE)
         else:
             _chunk(c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_sq, p_ss, 0, 0, p_out, p_part, n_pairs,
                    n_tok, top_k, n_rblocks, m_lo, K_S, N_S, stride_a, stride_out, stride_ps, stride_ph, stride_pr,
-                   limit, GATED, True, BT, BN, BK, MT, DT, SPLIT_K)
+                   limit, GATED, True, BT, BN, BK, MT, DT, SPLIT_K, DECODE)
 
 
 def _upcast() -> bool:
@@ -359,7 +416,7 @@ def launch_moe_gemm(
     rows = (a, ids, block_expert, first_block, out if route_w is None else route_w)
     sizes = (top_k * n_tok, n_tok, top_k, n_exp, n_rblocks, n_m)
     consts = dict(GATED=gated, UPCAST=_upcast(), BT=bt, BN=config.block_n, BK=config.block_k, MT=mt,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  DECODE=config.decode, num_warps=config.num_warps, num_stages=config.num_stages)
     if splits == 1:
         _moe_gemm_kernel[grid](
             *rows, routed[0], routed[1], sq, ss, out, out, *sizes, 0, n_m, k_r, k_s, n_r, n_s, a.stride(0),
