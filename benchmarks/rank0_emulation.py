@@ -10,8 +10,10 @@ host memory) and runs the engine's decode step on it at batch 1 / 8 / 64. The se
 - the MoE block (``EmulatedExpertParallelMoE``) routes the WHOLE batch (replicated over the TP group, so rank
   0 sees every token), keeps the (token, expert) pairs whose expert rank 0 owns, pads them to the most loaded
   rank's count (the step waits for the slowest rank; ``--load rank0`` keeps rank 0's own), and runs them
-  through the grouped MoE op with rank 0's expert subset. The per-layer count exchange of the real dispatch
-  is a host synchronisation there and stays one here (``.tolist()`` of the counts);
+  through the grouped MoE op with rank 0's expert subset. At decode sizes the real block is one all-reduce of
+  per-pair rows (``ExpertParallelMoE.reduces_pairs``, no host sync), priced as such; above them, two
+  all-to-alls and a count exchange, a host synchronisation. The padding reads the counts on the host
+  (``.tolist()``) in both cases: a sync per layer that the real all-reduce form does not have;
 - the recorded collectives are priced by a latency + bandwidth model of the NVLink host (multicast off):
   ``alpha + wire bytes / bandwidth`` per call (all-reduce: a ring's 2 (p-1)/p of the buffer; all-gather
   (p-1)/p of the output; all-to-all (p-1)/p of the larger of sent and received). ``--alpha-us`` and
@@ -135,9 +137,15 @@ class EmulatedExpertParallelMoE(ExpertParallelMoE):
         ws = torch.where(mine >= 0, w.flatten()[mine.clamp(min=0)], torch.ones_like(mine, dtype=w.dtype))
         out = moe_grouped_ffn(x[rows], ids[:, None].int(), ws[:, None].to(w.dtype), rx.routed(), None, self.limit,
                               expert_ids=rx.expert_ids, impl=rx.impl)
-        # the wire: rank 0's own rows' pairs out (its 1/tp of the batch), the pairs for its experts in, as the
-        # real dispatch's payload [x | weight | id] and combine's [out]
         row_bytes = x.shape[1] * x.element_size()
+        if self.reduces_pairs(n):  # the all-reduce form: one all-reduce of [pairs ; shared partial], no dispatch
+            y = self._shared(x)
+            real = mine >= 0
+            y.index_add_(0, rows[real], out[real])
+            self.tp._record("all_reduce", (n * k + n) * row_bytes)
+            return y
+        # the all-to-all form. The wire: rank 0's own rows' pairs out (its 1/tp of the batch), the pairs for its
+        # experts in, as the real dispatch's payload [x | weight | id] and combine's [out]
         sent = -(-n // self.tp.size) * k
         self.ep._record("all_to_all", max(sent, target) * (row_bytes + 2 * x.element_size()))
         self.ep._record("all_to_all", max(sent, target) * row_bytes)

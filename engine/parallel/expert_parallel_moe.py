@@ -1,7 +1,8 @@
 """The MoE block with expert parallelism: routed experts partitioned over the EP group (every rank).
 
 Rank r of the EP group holds the whole experts ``[r * E / ep, (r + 1) * E / ep)``. Inside a TP group the
-tokens are replicated, so each TP rank takes its own run of the rows (``even_shard``: no token is sent
+tokens are replicated. At decode sizes on one host the block is one all-reduce of per-pair rows (below);
+otherwise (the all-to-all form drawn here) each TP rank takes its own run of the rows (``even_shard``: no token is sent
 twice), routes them, and sends each (token, expert) pair to the expert's owner; the owner runs its experts
 on the pairs it received through the grouped MoE op with its subset (``moe_grouped_ffn(..., expert_ids=
 the rank's global ids)``, one pair per row), and the per-pair outputs come back to the token's rank, which
@@ -22,23 +23,27 @@ The rank's experts, by form (``convert_experts_`` switches, in place, before the
 Both run the op's subset semantics (a pair routed to an expert not held contributes nothing), and in
 float64 both are the per-expert loop of the spec, so a float64 run is bit-identical to one process.
 
-Why an all-to-all of pairs and not an all-gather of tokens + reduce-scatter of outputs, at decode batch
-sizes (1-64 tokens a rank; the weight reads and the collectives' latency dominate, not their bytes):
+Two forms, chosen per call from the row count alone (``reduces_pairs``), so every rank of the group picks the
+same one:
 
-- exactness: each pair's output comes back whole to its token, so the token's sum is the spec's ascending-id
-  fold (float64 bit-identical to one process). A reduce-scatter / all-reduce of per-token partial sums adds
-  the ranks' partials in the collective's order, which regroups the fold (e.g. a + (b + c));
-- volume: a rank sends only its n * k pairs and gets their outputs back. All-gather puts every token on every
-  rank (ep * n rows) and reduce-scatters ep * n rows of D back; per-pair outputs through a reduce-scatter
-  (exact) would move k times that. The grouped op reads each weight byte once per launch whatever the rows,
-  so the owner's cost does not grow with the pairs either way;
-- the cost: the all-to-all needs the per-rank counts, read on the host (``GroupComm.all_to_all``), so the
-  block is a host sync per layer and cannot be captured into a CUDA graph. The serving systems' answer at
-  decode is a fixed-capacity dispatch with no counts on the host: DeepEP's low-latency kernels (pure RDMA,
-  CUDA-graph compatible, for latency-sensitive decoding), used by vLLM as ``deepep_low_latency`` (decode;
-  its default backend is ``allgather_reducescatter``) and by SGLang as ``--deepep-mode low_latency`` (``auto``
-  switches between normal for prefill and low latency for decode). That needs a per-rank token capacity
-  from the executor (its decode graph sizes) and is not built here.
+- **all-reduce of pairs** (decode sizes: at most ``MAX_REDUCED_PAIRS`` pairs, and the EP group is the TP
+  group, as on one 8-GPU host at TP 8 / EP 8). The rows are replicated over the group, so every rank routes
+  all of them and runs the pairs of its own experts through the grouped op (zero rows for the pairs it does
+  not own) and its shared slice; ONE all-reduce of ``[pairs ; shared partial]`` ``[n k + n, D]`` sums them.
+  Each pair's row has one non-zero contributor, so it arrives whole (x + 0 = x: exact), and every rank folds
+  each token's pairs in ascending expert id and adds the shared sum: the spec's order, float64 bit-identical
+  to one process. No count exchange: no host sync, so nothing in the block stops a CUDA-graph capture (what
+  vLLM's ``allgather_reducescatter`` backend and DeepEP's low-latency mode are for). It moves (n k + n) D
+  fp32 per layer: 7.3 MB at 64 tokens, top-6, D = 4096;
+- **all-to-all of pairs** (larger batches, or an EP group spanning DP replicas whose rows differ). Each TP
+  rank takes its own run of the rows, routes them and sends each pair to its owner; the owner's outputs come
+  back whole and are folded in ascending id, then joined in the block's all-reduce. It moves only the pairs,
+  once each way, but needs the per-rank counts on the host (``GroupComm.all_to_all``): a host sync per layer.
+  An all-gather of tokens + reduce-scatter of per-token partial sums (cheaper in bytes) would add the ranks'
+  partials in the collective's order, which regroups the fold (e.g. a + (b + c)): not the spec's bits.
+
+At prefill sizes the pairs' bytes dominate and the all-to-all moves k times fewer than the all-reduce; at
+decode sizes every collective costs its latency and the host sync is the larger cost.
 
 Who runs the shared expert: every rank, on its TP slice, for its TP group's tokens (with tp = 1, the 8-GPU
 DP-attention + EP layout, each rank runs the whole shared expert on its own tokens). Its output joins the
@@ -59,7 +64,7 @@ import torch
 from torch import nn
 
 from flashtier.engine.model.moe import MoE
-from flashtier.engine.parallel.expert_dispatch import Dispatched, combine, dispatch
+from flashtier.engine.parallel.expert_dispatch import combine, dispatch
 from flashtier.engine.parallel.group_comm import GroupComm
 from flashtier.engine.parallel.shard import even_shard
 from flashtier.engine.parallel.sliced_expert import SlicedExpert
@@ -69,6 +74,12 @@ from flashtier.kernels.moe.route import moe_route
 from flashtier.kernels.moe.weights import FP8Expert, MXFP4Experts
 from flashtier.kernels.quant.fp8_weight import as_raw_bytes, quantize_fp8_weight
 from flashtier.kernels.quant.mxfp4 import quantize_mxfp4
+
+
+# The most (token, expert) pairs a batch may have for the all-reduce form (``reduces_pairs``): 64 decode tokens at
+# top-6 are 384; the all-reduce then moves (pairs + tokens) rows of D fp32 (7.3 MB at V4.1's D = 4096, ~40 us over
+# NVLink), about what the all-to-all form's two legs move, without its count exchange (a host sync).
+MAX_REDUCED_PAIRS = 512
 
 
 class RankExperts(nn.Module):
@@ -156,6 +167,7 @@ class ExpertParallelMoE(nn.Module):
         self.top_k, self.limit = moe.top_k, moe.limit
         self.route_scale, self.gate_temp = moe.route_scale, moe.gate_temp
         self.gate, self.tp, self.ep = moe.gate, tp, ep
+        self.max_reduced_pairs = MAX_REDUCED_PAIRS
         self.owned = even_shard(n_experts, ep.size, ep.index)
         # float: keyed by the global id, so state_dict names stay the checkpoint's (ffn.experts.E.w1.weight);
         # RankExperts once converted (convert_experts_)
@@ -189,14 +201,36 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] (equal on the ranks of a TP group; N may differ between DP replicas, or be 0)
-        -> [N, D], the whole MoE output. Collective over the EP group (2 all-to-alls and a count
-        exchange) and the TP group (one all-reduce)."""
+        -> [N, D], the whole MoE output. Collective: ``reduces_pairs(N)`` one all-reduce over the TP group
+        (= the EP group) and no host sync; else two all-to-alls and a count exchange over the EP group (a host
+        sync) and one all-reduce over the TP group."""
         x = x if x.dtype == torch.float64 else x.float()
+        if self.reduces_pairs(x.shape[0]):
+            return self._forward_reduced(x)
         mine = even_shard(x.shape[0], self.tp.size, self.tp.index)
         routed = self._routed(x[mine.slice])
         y = self._shared(x) if x.shape[0] else torch.zeros_like(x)
         y[mine.slice] = routed + y[mine.slice]
         return self.tp.all_reduce(y)
+
+    def reduces_pairs(self, n: int) -> bool:
+        """Whether a batch of ``n`` rows runs the all-reduce form (module docstring): the EP group is the TP
+        group (so every rank holds every row, and every rank of the group decides alike from the same ``n``)
+        and the batch has at most ``max_reduced_pairs`` (token, expert) pairs."""
+        return self.ep.ranks == self.tp.ranks and n * self.top_k <= self.max_reduced_pairs
+
+    def _forward_reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """The all-reduce form: every rank routes all n rows, runs the pairs of its experts (zero rows for the
+        others' pairs) and its shared slice; one all-reduce of ``[pairs ; shared partial]`` gives every rank
+        each pair's output whole (one rank's row plus zeros: exact) and the shared sum; the combine then folds
+        each token's pairs in ascending expert id and adds the shared expert, the spec's order."""
+        n, k, d = x.shape[0], self.top_k, x.shape[1]
+        if n == 0:  # the whole group is idle (it decides alike): no collective
+            return torch.zeros_like(x)
+        idx, w = self._route(x)
+        pairs = self._pairs(x.repeat_interleave(k, dim=0), idx.reshape(-1).long(), w.reshape(-1))
+        both = self.tp.all_reduce(torch.cat((pairs, self._shared(x))))
+        return combine_reference(both[: n * k].view(n, k, d), idx, both[n * k :])
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the shared expert on rows x [N, D] (N > 0): a partial sum over the TP group."""
@@ -208,29 +242,34 @@ class ExpertParallelMoE(nn.Module):
         return moe_grouped_ffn(x, none, x.new_zeros(x.shape[0], 1), rx.routed(), rx.shared(), self.limit,
                                expert_ids=rx.expert_ids, impl=rx.impl)
 
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids, route weights) ``[n, k]`` of rows x [n, D] (n may be 0)."""
+        k = self.top_k
+        if not x.shape[0]:
+            return torch.zeros(0, k, dtype=torch.int32, device=x.device), x.new_zeros(0, k)
+        impl = self.experts.impl if self.converted else "reference"
+        return moe_route(x, self.gate.weight, self.gate.bias, k, self.route_scale, self.gate_temp, impl=impl)
+
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum for rows x [n, D] (n may be 0)."""
+        """The routed experts' sum for rows x [n, D] (n may be 0), through the all-to-all dispatch."""
         n, k = x.shape[0], self.top_k
-        if n:
-            impl = self.experts.impl if self.converted else "reference"
-            idx, w = moe_route(x, self.gate.weight, self.gate.bias, k, self.route_scale, self.gate_temp, impl=impl)
-        else:
-            idx, w = torch.zeros(0, k, dtype=torch.int32, device=x.device), x.new_zeros(0, k)
+        idx, w = self._route(x)
         sent = dispatch(self.ep, x, idx, w, self.owned.size)
-        out = self._pairs(sent) if sent.x.shape[0] else torch.zeros_like(sent.x)
+        out = self._pairs(sent.x, sent.expert, sent.weight) if sent.x.shape[0] else torch.zeros_like(sent.x)
         pairs = combine(self.ep, sent, out, n, k)
         return combine_reference(pairs, idx, None)
 
-    def _pairs(self, sent: Dispatched) -> torch.Tensor:
-        """Each received pair's expert output, [P_in, D]: the pairs as rows of k = 1 through the grouped op
-        with this rank's subset (a pair for an expert not held, which the dispatch never sends, gives 0)."""
-        ids, w = sent.expert[:, None], sent.weight[:, None]
+    def _pairs(self, rows: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Each pair's expert output, [P, D], for pairs given as rows ``[P, D]``, global expert ids ``[P]`` and
+        route weights ``[P]``: the pairs as rows of k = 1 through the grouped op with this rank's subset (a
+        pair for an expert not held gives a zero row)."""
+        ids, w = expert[:, None], weight[:, None]
         if self.converted:
             rx = self.experts
-            return moe_grouped_ffn(sent.x, ids, w, rx.routed(), None, self.limit, expert_ids=rx.expert_ids,
+            return moe_grouped_ffn(rows, ids, w, rx.routed(), None, self.limit, expert_ids=rx.expert_ids,
                                    impl=rx.impl)
         # float weights: what the op's reference path runs for a subset (moe_grouped_ffn_reference), on them
         experts = self.experts
         held = torch.tensor(sorted(int(e) for e in experts), dtype=ids.dtype, device=ids.device)
         ids = torch.where(torch.isin(ids, held), ids, torch.full_like(ids, -1))
-        return moe_ffn_reference(sent.x, ids, w, lambda e: experts[str(e)].weights(), None, self.limit)
+        return moe_ffn_reference(rows, ids, w, lambda e: experts[str(e)].weights(), None, self.limit)

@@ -14,7 +14,9 @@ on the job's fault rank only (every collective is still made):
 
 ``moe_rank_main`` runs one ``ExpertParallelMoE`` on its replica's rows (possibly none);
 ``moe_ep_variants_main`` runs it in each expert form (float, stored MXFP4 through the grouped op's reference
-and its kernels), records the ``expert_ids`` of every grouped-op call, then drops one expert (the broken case).
+and its kernels), records the ``expert_ids`` of every grouped-op call, then drops one expert (the broken case);
+``moe_tp_forms_main`` runs it on a TP group that is also the EP group in both of its forms (all-reduce of pairs,
+all-to-all dispatch).
 """
 
 import os
@@ -198,6 +200,65 @@ def moe_ep_variants_main(rank: int, moe: torch.nn.Module, xs: list[torch.Tensor]
         try:
             with torch.no_grad():
                 out = _ep_variants(groups, moe, xs[groups.dp_rank], drop_expert)
+            torch.save(out, job.out_dir / f"rank{rank}.pt")
+        finally:
+            shutdown_distributed()
+    except BaseException:  # noqa: BLE001 - reported to the parent through the file
+        (job.out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _tp_forms(groups, moe: torch.nn.Module, x: torch.Tensor, drop_expert: int) -> dict[str, torch.Tensor]:
+    """On a TP group that is also the EP group: ``ExpertParallelMoE`` on the same rows ``x`` in both forms
+    (``reduced``: the all-reduce of pairs; ``all_to_all``: the dispatch, forced by ``max_reduced_pairs = 0``),
+    for float64 float and stored experts and fp32 stored experts through the kernels (interpreted), with the
+    all-to-all calls each form made; then the reduced float64 form without ``drop_expert`` (the broken case)."""
+    import copy
+
+    ep = groups.ep
+    real_a2a = ep.all_to_all
+    a2a_calls = [0]
+
+    def counted(*args, **kwargs):
+        a2a_calls[0] += 1
+        return real_a2a(*args, **kwargs)
+
+    ep.all_to_all = counted  # this rank's group object only
+    moe32 = copy.deepcopy(moe).float()
+    out = {}
+    for form, max_pairs in (("reduced", None), ("all_to_all", 0)):
+        flt = ExpertParallelMoE(moe, groups.tp, ep)
+        stored = ExpertParallelMoE(moe, groups.tp, ep)
+        stored.convert_experts_("cpu")
+        stored32 = ExpertParallelMoE(moe32, groups.tp, ep)
+        stored32.convert_experts_("cpu")
+        stored32.experts.impl = "triton"
+        blocks = (flt, stored, stored32)
+        if max_pairs is not None:
+            for block in blocks:
+                block.max_reduced_pairs = max_pairs
+        assert all(block.reduces_pairs(x.shape[0]) is (max_pairs is None) for block in blocks)
+        a2a_calls[0] = 0
+        out[f"{form}64"], out[f"{form}_stored64"] = flt(x.double()), stored(x.double())
+        out[f"{form}_stored32"] = stored32(x.float())
+        out[f"{form}_a2a_calls"] = torch.tensor(a2a_calls[0])
+    broken = ExpertParallelMoE(moe, groups.tp, ep)
+    if str(drop_expert) in broken.experts:
+        del broken.experts[str(drop_expert)]
+    out["reduced64_broken"] = broken(x.double())
+    return out
+
+
+def moe_tp_forms_main(rank: int, moe: torch.nn.Module, x: torch.Tensor, drop_expert: int, job: Job) -> None:
+    """Child entry of the TP-group EP tests: ``_tp_forms`` on the replicated rows ``x``, saved as a dict to
+    ``OUT_DIR/rank{R}.pt`` (errors as in ``rank_main``)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        groups = init_distributed(job.parallel, rank, init_method=f"tcp://127.0.0.1:{job.port}", timeout_s=60)
+        try:
+            with torch.no_grad():
+                out = _tp_forms(groups, moe, x, drop_expert)
             torch.save(out, job.out_dir / f"rank{rank}.pt")
         finally:
             shutdown_distributed()

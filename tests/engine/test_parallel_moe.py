@@ -27,7 +27,7 @@ from flashtier.kernels.quant.fp8_weight import dequantize_fp8_weight, quantize_f
 from flashtier.kernels.quant.mxfp4 import mxfp4_qdq
 
 from .conftest import rel_err
-from .parallel_worker import Job, fork_ranks, free_port, moe_ep_variants_main, moe_rank_main
+from .parallel_worker import Job, fork_ranks, free_port, moe_ep_variants_main, moe_rank_main, moe_tp_forms_main
 
 TOL = 1e-12
 F32_TOL = 1e-6  # float experts in fp32 (measured 0.0): the same math as one process, but each expert's GEMM
@@ -165,6 +165,66 @@ def test_each_rank_calls_the_grouped_op_with_its_experts(ep_run):
         # 2 calls per forward, less the shared expert's on an idle replica (0 rows) and the pairs' on a rank sent none
         assert o["ids"].shape[0] >= 2 and all(torch.equal(ids, want) for ids in o["ids"])
         assert int(o["nbytes"]) == per_rank * 3 * d * i * 17 // 32
+
+
+# ---- a TP group that is the EP group: the all-reduce of pairs and the all-to-all dispatch ------------------
+
+
+TP_ROWS = 9
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def tp_run(request, tmp_path_factory):
+    """(moe, the replicated rows, each rank's outputs) of one forked run at TP = EP = param."""
+    tp = request.param
+    moe = _snapped_moe(seed=6)
+    x = torch.randn(TP_ROWS, moe.gate.weight.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(30))
+    with torch.no_grad():
+        idx, _ = moe.route(x)
+    drop = int(torch.bincount(idx.reshape(-1).long(), minlength=N_EXPERTS).argmax())
+    parallel = ParallelConfig(tensor_parallel_size=tp, expert_parallel=True)
+    out_dir = tmp_path_factory.mktemp(f"tp{tp}")
+    outs = fork_ranks(moe_tp_forms_main, (moe, x, drop), Job(parallel, free_port(), [], out_dir), timeout_s=300)
+    return moe, x, outs
+
+
+@pytest.mark.parametrize("form", ["reduced", "all_to_all"])
+def test_tp_group_forms_are_bit_identical_to_one_process(tp_run, form):
+    """float64, float and stored experts, either form: every rank's output equals the single-process MoE bit
+    for bit (each pair's row arrives whole; the fold is the spec's)."""
+    moe, x, outs = tp_run
+    with torch.no_grad():
+        want = moe(x)
+    for o in outs:
+        assert torch.equal(o[f"{form}64"], want) and torch.equal(o[f"{form}_stored64"], want)
+
+
+def test_tp_group_reduced_form_misses_a_dropped_expert(tp_run):
+    moe, x, outs = tp_run
+    with torch.no_grad():
+        want = moe(x)
+    assert not all(torch.equal(o["reduced64_broken"], want) for o in outs)
+
+
+def test_reduced_form_has_no_count_exchange(tp_run):
+    """The reduced form makes no all-to-all (the count exchange is a host sync on CUDA); the dispatch form makes
+    its two per call."""
+    _, _, outs = tp_run
+    for o in outs:
+        assert int(o["reduced_a2a_calls"]) == 0 and int(o["all_to_all_a2a_calls"]) >= 2
+
+
+def test_tp_group_kernels_within_tolerance_in_both_forms(tp_run):
+    """The MXFP4 stack through the Triton kernels (interpreted), fp32, both forms: the FP4 tolerance of
+    ``test_stored_experts_through_the_kernels_match_the_float_moe``; the forms' pair rows are the same bits."""
+    moe, x, outs = tp_run
+    moe32 = copy.deepcopy(moe).float()
+    with torch.no_grad():
+        want = moe32(x.float())
+    for o in outs:
+        for form in ("reduced", "all_to_all"):
+            err = _row_errors(want, o[f"{form}_stored32"])
+            assert int((err > 1e-6).sum()) <= 0.01 * err.numel() + 1 and float(err.max()) <= 5e-2, f"{form} {err.max()}"
 
 
 def test_conversion_in_place_is_lossless_and_idempotent():
