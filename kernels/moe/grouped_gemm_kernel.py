@@ -117,6 +117,73 @@ fma.rn.bf16x2 $3, p, $6, m;
 """)
 
 
+# Four e4m3 codes of the even elements ($4), four of the odd ($5) and the bf16 scale multipliers of their four
+# columns ($6 $7) -> bf16 pairs $0 $1 (even), $2 $3 (odd). Per pair of codes c: ((c << 4) & 0x7F0) | ((c << 8) &
+# 0x8000) is the bf16 of the e4m3 value * 2^-120 (e4m3 subnormals land on bf16 subnormals), then one FMA by 2^120
+# and one by the multiplier; a NaN code (magnitude 0x7F) is the only one whose magnitude bits reach 0x7F0, and
+# (+ 0x10) carries into bit 11 there: that lane gets 0x7FC0 OR-ed in (a NaN). The products are exact where bf16
+# can hold them (scale byte >= 4; below that bf16 rounds, as "cvt"'s fp32 -> bf16 does).
+_E4M3_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 p, t, u, v, z, c, m;
+mov.b32 z, 0;
+mov.b32 c, 0x7B807B80;
+mov.b32 m, 0x80008000;
+prmt.b32 p, $4, z, 0x4140;
+shl.b32 t, p, 4;
+and.b32 t, t, 0x07F007F0;
+shl.b32 u, p, 8;
+and.b32 u, u, 0x80008000;
+add.u32 v, t, 0x00100010;
+and.b32 v, v, 0x08000800;
+shr.u32 v, v, 11;
+mul.lo.u32 v, v, 0x7FC0;
+or.b32 t, t, u;
+fma.rn.bf16x2 t, t, c, m;
+fma.rn.bf16x2 t, t, $6, m;
+or.b32 $0, t, v;
+prmt.b32 p, $4, z, 0x4342;
+shl.b32 t, p, 4;
+and.b32 t, t, 0x07F007F0;
+shl.b32 u, p, 8;
+and.b32 u, u, 0x80008000;
+add.u32 v, t, 0x00100010;
+and.b32 v, v, 0x08000800;
+shr.u32 v, v, 11;
+mul.lo.u32 v, v, 0x7FC0;
+or.b32 t, t, u;
+fma.rn.bf16x2 t, t, c, m;
+fma.rn.bf16x2 t, t, $7, m;
+or.b32 $1, t, v;
+prmt.b32 p, $5, z, 0x4140;
+shl.b32 t, p, 4;
+and.b32 t, t, 0x07F007F0;
+shl.b32 u, p, 8;
+and.b32 u, u, 0x80008000;
+add.u32 v, t, 0x00100010;
+and.b32 v, v, 0x08000800;
+shr.u32 v, v, 11;
+mul.lo.u32 v, v, 0x7FC0;
+or.b32 t, t, u;
+fma.rn.bf16x2 t, t, c, m;
+fma.rn.bf16x2 t, t, $6, m;
+or.b32 $2, t, v;
+prmt.b32 p, $5, z, 0x4342;
+shl.b32 t, p, 4;
+and.b32 t, t, 0x07F007F0;
+shl.b32 u, p, 8;
+and.b32 u, u, 0x80008000;
+add.u32 v, t, 0x00100010;
+and.b32 v, v, 0x08000800;
+shr.u32 v, v, 11;
+mul.lo.u32 v, v, 0x7FC0;
+or.b32 t, t, u;
+fma.rn.bf16x2 t, t, c, m;
+fma.rn.bf16x2 t, t, $7, m;
+or.b32 $3, t, v;
+}
+""")
+
 @dataclass(frozen=True)
 class MoEGemmConfig:
     """Launch shape of one projection's grouped GEMM, chosen per weight shape (``moe/gemm_config.py``), never
@@ -187,15 +254,21 @@ def _e8m0_bf16(b_s):
 @triton.jit
 def _decode_weights(b_w, b_s, FP8_W: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, DECODE: tl.constexpr):
     """Raw bytes from ``_load_weights`` -> (even, odd) elements, each [BN, BK / 2] in DT with the scale folded in
-    (exact). ``DECODE`` "bits" (MXFP4 on the GPU): integer ops and two bf16 FMAs per pair (``_E2M1_PAIRS_ASM``)."""
+    (exact). ``DECODE`` "bits" (on the GPU): integer ops and two bf16 FMAs per pair (``_E2M1_PAIRS_ASM``,
+    ``_E4M3_PAIRS_ASM``) instead of the hardware fp8 conversions."""
     BN: tl.constexpr = b_w.shape[0]
     HALF: tl.constexpr = BK // 2
     NS: tl.constexpr = BK // 32
-    if DECODE == "bits" and not FP8_W and DT == tl.bfloat16:
+    if DECODE == "bits" and DT == tl.bfloat16:
         b_m = _e8m0_bf16(b_s)
         b_m = tl.reshape(tl.broadcast_to(b_m[:, :, None], (BN, NS, 16)), (BN, HALF))
-        b_even, b_odd = tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [b_w, b_m],
-                                                  dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        if FP8_W:
+            b_ce, b_co = tl.split(tl.reshape(b_w, (BN, HALF, 2)))
+            b_even, b_odd = tl.inline_asm_elementwise(_E4M3_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r", [b_ce, b_co, b_m],
+                                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            b_even, b_odd = tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [b_w, b_m],
+                                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return b_even, b_odd
     # one scale per 16 even (odd) elements: repeat each 16 times in registers
     b_sf = _e8m0_to_f32(b_s.to(tl.int32))

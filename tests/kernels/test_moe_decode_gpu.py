@@ -1,10 +1,12 @@
-"""The grouped MoE GEMM's weight decoders on the GPU, exhaustively: every MXFP4 byte under every e8m0 scale byte.
+"""The grouped MoE GEMM's weight decoders on the GPU, exhaustively: every MXFP4 byte and every FP8 code under
+every e8m0 scale byte.
 
 ``_decode_weights`` turns the raw bytes of one K step into bf16 weights with the scale folded in; both
 decoders ("cvt": hardware fp8 conversions, "bits": integer ops and two bf16 FMAs per pair in inline PTX) must
-give exactly ``dequantize_mxfp4``'s values (the spec): e2m1 * 2^(s - 127) has at most 2 significant bits,
-so bf16 holds it exactly, subnormal results (scale byte 0 and 1) included, signed zeros kept, scale byte 255
-NaN. The CPU suite cannot run these (the interpreter has no inline PTX; it runs the fp32 bit decoder, which
+give exactly the spec's values: ``dequantize_mxfp4`` (e2m1 * 2^(s - 127) has at most 2 significant bits, so
+bf16 holds it exactly, subnormal results of scale bytes 0 and 1 included) and, for the shared expert's FP8
+weights (32 x 32 blocks), ``dequantize_fp8_weight`` in bf16 (exact for scale bytes >= 4; below, bf16's
+subnormals round it, the same way for both decoders); signed zeros kept, NaN codes and scale byte 255 NaN. The CPU suite cannot run these (the interpreter has no inline PTX; it runs the fp32 bit decoder, which
 the interpreted kernel tests cover). Tolerance: none (bit-equal after fp32 widening, NaN == NaN).
 """
 
@@ -16,6 +18,7 @@ import triton
 import triton.language as tl
 
 from flashtier.kernels.moe.grouped_gemm_kernel import DECODES, _decode_weights, _load_weights
+from flashtier.kernels.quant.fp8_weight import dequantize_fp8_weight
 from flashtier.kernels.quant.mxfp4 import dequantize_mxfp4
 
 pytestmark = [
@@ -26,22 +29,24 @@ pytestmark = [
 
 
 @triton.jit
-def _decode_probe(p_wq, p_ws, p_even, p_odd, K, BN: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr):
+def _decode_probe(p_wq, p_ws, p_even, p_odd, K, BN: tl.constexpr, BK: tl.constexpr, FP8_W: tl.constexpr,
+                  DECODE: tl.constexpr):
     i_n, i_k = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
-    b_w, b_s = _load_weights(p_wq, p_ws, 0, 0, o_n, o_n >= 0, i_k * BK, K, True, False, BK)
-    b_e, b_o = _decode_weights(b_w, b_s, False, BK, tl.bfloat16, DECODE)
+    b_w, b_s = _load_weights(p_wq, p_ws, 0, 0, o_n, o_n >= 0, i_k * BK, K, True, FP8_W, BK)
+    b_e, b_o = _decode_weights(b_w, b_s, FP8_W, BK, tl.bfloat16, DECODE)
     o_h = i_k * (BK // 2) + tl.arange(0, BK // 2)
     o = o_n.to(tl.int64)[:, None] * (K // 2) + o_h[None, :]
     tl.store(p_even + o, b_e.to(tl.float32))
     tl.store(p_odd + o, b_o.to(tl.float32))
 
 
-def decode(codes: torch.Tensor, scales: torch.Tensor, how: str, bn: int = 16, bk: int = 64) -> torch.Tensor:
-    rows, k = codes.shape[0], codes.shape[1] * 2
+def decode(codes: torch.Tensor, scales: torch.Tensor, how: str, fp8: bool = False, bn: int = 16,
+           bk: int = 64) -> torch.Tensor:
+    rows, k = codes.shape[0], codes.shape[1] * (1 if fp8 else 2)
     even = torch.empty(rows, k // 2, dtype=torch.float32, device=codes.device)
     odd = torch.empty_like(even)
-    _decode_probe[(rows // bn, k // bk)](codes, scales, even, odd, k, BN=bn, BK=bk, DECODE=how)
+    _decode_probe[(rows // bn, k // bk)](codes, scales, even, odd, k, BN=bn, BK=bk, FP8_W=fp8, DECODE=how)
     return torch.stack((even, odd), dim=-1).reshape(rows, k)
 
 
@@ -51,6 +56,15 @@ def every_byte_under_every_scale() -> tuple[torch.Tensor, torch.Tensor]:
     r = torch.arange(256).view(-1, 1)
     codes = ((torch.arange(256).view(1, -1) + r) % 256).to(torch.uint8)
     scales = r.expand(256, 16).to(torch.uint8).contiguous()
+    return codes.cuda(), scales.cuda()
+
+
+def every_fp8_code_under_every_scale() -> tuple[torch.Tensor, torch.Tensor]:
+    """256 rows x 1,024 codes (each row every code 4 times, rotated by the row) under 8 x 32 scale blocks holding
+    the 256 scale bytes: every (code, scale) pair at least 32 times."""
+    r = torch.arange(256).view(-1, 1)
+    codes = ((torch.arange(1024).view(1, -1) + r) % 256).to(torch.uint8)
+    scales = torch.arange(256).view(8, 32).to(torch.uint8)
     return codes.cuda(), scales.cuda()
 
 
@@ -67,6 +81,13 @@ def test_every_mxfp4_byte_and_scale_decodes_exactly(how):
     codes, scales = every_byte_under_every_scale()
     ref = dequantize_mxfp4(codes, scales, impl="reference")
     assert_bit_equal(decode(codes, scales, how), ref)
+
+
+@pytest.mark.parametrize("how", DECODES)
+def test_every_fp8_code_and_scale_decodes_as_the_spec_in_bf16(how):
+    codes, scales = every_fp8_code_under_every_scale()
+    ref = dequantize_fp8_weight(codes, scales, impl="reference").to(torch.bfloat16).float()
+    assert_bit_equal(decode(codes, scales, how, fp8=True), ref)
 
 
 @pytest.mark.parametrize("how", DECODES)
