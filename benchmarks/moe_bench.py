@@ -59,15 +59,17 @@ TOL = 5e-3  # worst row's relative RMS vs the reference (tests/kernels/test_moe_
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core FLOP/s (SXM), by device-name substring
 C = MoEGemmConfig
 VARIANTS = [  # candidate launch configs (each used for both projections; the table may mix them)
-    C(),                                         # 64 rows, 64 K, 4 x 16 token tiles, 4 warps, no split
-    C(split_k=2), C(split_k=4), C(split_k=8),    # more programs at decode sizes
-    C(block_n=32, split_k=4), C(block_n=128, num_warps=8, split_k=2),
-    C(block_k=128, split_k=2), C(num_stages=1, split_k=4), C(sub_tiles=2, split_k=4),
-    # the same shapes with the integer decoder ("bits": ~3 instructions per weight element instead of ~9)
-    C(decode="bits"), C(split_k=2, decode="bits"), C(split_k=4, decode="bits"), C(split_k=8, decode="bits"),
-    C(block_n=128, num_warps=8, split_k=2, decode="bits"), C(block_n=128, num_warps=4, split_k=4, decode="bits"),
-    C(block_k=128, split_k=2, decode="bits"), C(block_k=128, split_k=4, decode="bits"),
-    C(sub_tiles=2, split_k=4, decode="bits"),
+    # the hardware-conversion decoder ("cvt", ~9 instructions and 2 conversions per weight element)
+    C(decode="cvt"),                             # 64 rows, 64 K, 4 x 16 token tiles, 4 warps, no split
+    C(split_k=2, decode="cvt"), C(split_k=4, decode="cvt"), C(split_k=8, decode="cvt"),
+    C(block_n=32, split_k=4, decode="cvt"), C(block_n=128, num_warps=8, split_k=2, decode="cvt"),
+    C(block_k=128, split_k=2, decode="cvt"), C(num_stages=1, split_k=4, decode="cvt"),
+    C(sub_tiles=2, split_k=4, decode="cvt"),
+    # the integer decoder ("bits", the default: ~3 instructions per weight element, no conversion)
+    C(), C(split_k=2), C(split_k=4), C(split_k=8),
+    C(block_n=128, num_warps=8, split_k=2), C(block_n=128, num_warps=4, split_k=4),
+    C(block_k=128, split_k=2), C(block_k=128, split_k=4),
+    C(sub_tiles=2, split_k=4),
 ]
 
 
