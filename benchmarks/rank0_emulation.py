@@ -22,10 +22,15 @@ host memory) and runs the engine's decode step on it at batch 1 / 8 / 64. The se
     projected step = measured step on the one device (no collectives run) + priced collectives
 
 The projection leaves out the overlap a real run could get and the skew between ranks beyond the MoE's most
-loaded rank. Decode steps run without CUDA graphs (the EP count exchange is a host sync, as in the real run).
+loaded rank. Decode steps run eager, as the real TP engine runs them today (rank_engine.py turns CUDA graphs
+off under TP). ``--graphs`` adds, per batch, the same steps replayed from CUDA graphs: both rows then run the
+MoE block's own forward on rank 0's pairs (no padding, so no host sync: the all-reduce form is capturable), and
+the graph row prices the eager row's recorded collectives (a replay records none). That row projects what TP
+with graphs would give.
 
 Usage (one GPU; flashtier importable, TRITON_INTERPRET=0):
     python3 -P benchmarks/rank0_emulation.py --preset v4.1-flash --tp 8 --batches 1,8,64 --json docs/perf/multi_gpu.json
+    python3 -P benchmarks/rank0_emulation.py --preset v4.1-flash --tp 8 --batches 1,8,64 --graphs --json OUT.json
 On the CPU (a check of the mechanics, not a timing):
     python3 -P benchmarks/rank0_emulation.py --preset tiny --override '{"n_routed_experts": 32, "o_groups": 4}' \
         --tp 4 --batches 1,4 --device cpu --dtype float32 --steps 2
@@ -114,9 +119,12 @@ class EmulatedExpertParallelMoE(ExpertParallelMoE):
     pairs to the largest count any rank gets."""
 
     most_loaded = True
+    real_forward = False  # --graphs: the block's own forward (rank 0's pairs; no host sync, so capturable)
     pairs_seen: list[tuple[int, int]] = []  # (rank 0's pairs, the most loaded rank's) per call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.real_forward:
+            return super().forward(x)
         x = x if x.dtype == torch.float64 else x.float()
         n, k, per = x.shape[0], self.top_k, self.owned.size
         if n == 0:
@@ -167,11 +175,14 @@ def build_rank0(cfg, tp: int, device: torch.device, dtype: torch.dtype, log: Cal
 
 
 def run_batch(model, batch: int, prompt: int, steps: int, device: torch.device, dtype: str, log: CallLog,
-              link: LinkModel, tp: int) -> dict:
+              link: LinkModel, tp: int, graphs: bool = False, step_calls: list | None = None) -> dict:
+    """One batch's decode steps, timed; each step's recorded collectives priced. With ``graphs`` the steps
+    replay a CUDA graph, so nothing is recorded while they run: ``step_calls`` (an eager step's calls at the
+    same batch) are priced instead."""
     cfg = model.cfg
     blocks = batch * (-(-(prompt + steps + 8) // BLOCK) + 1) + 8
     ecfg = EngineConfig(device=str(device), dtype=dtype, forward="batched", max_num_seqs=batch,
-                        max_num_batched_tokens=4096, cuda_graphs=False)
+                        max_num_batched_tokens=4096, cuda_graphs=graphs)
     engine = Engine(model, ecfg, KVStoreConfig(block_size=BLOCK, num_blocks=blocks), tiers=None)
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
@@ -184,22 +195,27 @@ def run_batch(model, batch: int, prompt: int, steps: int, device: torch.device, 
     sync()
     times, priced, calls = [], [], []
     EmulatedExpertParallelMoE.pairs_seen.clear()
+    recorded = []
     for _ in range(steps):
         log.calls.clear()
         t = time.perf_counter()
         engine.step()
         sync()
         times.append(time.perf_counter() - t)
+        if graphs:
+            log.calls[:] = list(step_calls or [])
+        recorded.append(list(log.calls))
         priced.append(log.priced_s(link, tp))
         calls.append(len(log.calls))
     engine.close()
     step_ms, coll_ms = statistics.median(times) * 1e3, statistics.median(priced) * 1e3
     seen = EmulatedExpertParallelMoE.pairs_seen
-    return {"batch": batch, "step_ms_one_device": round(step_ms, 3), "collectives_ms_priced": round(coll_ms, 3),
+    return {"batch": batch, "cuda_graphs": graphs, "step_ms_one_device": round(step_ms, 3),
+            "collectives_ms_priced": round(coll_ms, 3), "step_calls": recorded[len(recorded) // 2],
             "collectives_per_step": calls[len(calls) // 2], "projected_itl_ms": round(step_ms + coll_ms, 3),
             "projected_tokens_per_s": round(batch / (step_ms + coll_ms) * 1e3, 1),
-            "rank0_pairs_per_layer": round(sum(a for a, _ in seen) / max(len(seen), 1), 2),
-            "most_loaded_pairs_per_layer": round(sum(b for _, b in seen) / max(len(seen), 1), 2)}
+            "rank0_pairs_per_layer": round(sum(a for a, _ in seen) / len(seen), 2) if seen else None,
+            "most_loaded_pairs_per_layer": round(sum(b for _, b in seen) / len(seen), 2) if seen else None}
 
 
 def main() -> None:
@@ -214,6 +230,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load", choices=("max", "rank0"), default="max",
                     help="the MoE runs the most loaded rank's pair count (default) or rank 0's own")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time each batch replayed from CUDA graphs (the MoE block's own forward, rank 0's "
+                         "pairs: what TP with graphs would run; cuda only)")
     ap.add_argument("--alpha-us", type=float, default=10.0, help="latency of one collective (assumption)")
     ap.add_argument("--link-GBps", type=float, default=350.0, help="NVLink bandwidth per GPU (assumption)")
     ap.add_argument("--json")
@@ -221,13 +240,24 @@ def main() -> None:
     device = torch.device(args.device)
     cfg = preset(args.preset).replace(**json.loads(args.override))
     link = LinkModel(args.alpha_us * 1e-6, args.link_GBps * 1e9)
+    if args.graphs and device.type != "cuda":
+        raise SystemExit("--graphs needs --device cuda")
+    if args.graphs:  # both rows of a batch run the block's own forward, so they differ only by the graphs
+        args.load = "rank0"
+        EmulatedExpertParallelMoE.real_forward = True
     EmulatedExpertParallelMoE.most_loaded = args.load == "max"
     log = CallLog()
     t = time.perf_counter()
     model = build_rank0(cfg, args.tp, device, getattr(torch, args.dtype), log, seed=0)
     made_s = time.perf_counter() - t
-    rows = [run_batch(model, int(b), args.prompt, args.steps, device, args.dtype, log, link, args.tp)
-            for b in args.batches.split(",")]
+    rows = []
+    for b in args.batches.split(","):
+        rows.append(run_batch(model, int(b), args.prompt, args.steps, device, args.dtype, log, link, args.tp))
+        if args.graphs:
+            rows.append(run_batch(model, int(b), args.prompt, args.steps, device, args.dtype, log, link, args.tp,
+                                  graphs=True, step_calls=rows[-1]["step_calls"]))
+    for r in rows:  # the call lists served the graph rows' pricing; the JSON keeps their count
+        r.pop("step_calls")
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "command": "python3 -P benchmarks/rank0_emulation.py " + shlex.join(sys.argv[1:]),
            "preset": args.preset, "split": f"TP {args.tp} + EP {args.tp}, rank 0 emulated on one device",
@@ -236,11 +266,13 @@ def main() -> None:
            "sglang_v4_flash_ms_per_token_batch1": SGLANG_V4_FLASH_MS}
     print(f"rank 0 of TP {args.tp} + EP {args.tp} ({args.preset}) on {out['device']}; made in {made_s:.1f} s; "
           f"link model {args.alpha_us:g} us + bytes / {args.link_GBps:g} GB/s")
-    print(f"{'B':>4} {'step ms':>9} {'coll ms':>8} {'calls':>6} {'ITL ms':>8} {'tok/s':>8} {'pairs r0/max':>13}")
+    print(f"{'B':>4} {'graphs':>6} {'step ms':>9} {'coll ms':>8} {'calls':>6} {'ITL ms':>8} {'tok/s':>8} "
+          f"{'pairs r0/max':>13}")
     for r in rows:
-        print(f"{r['batch']:>4} {r['step_ms_one_device']:>9.2f} {r['collectives_ms_priced']:>8.2f} "
+        print(f"{r['batch']:>4} {str(r['cuda_graphs']):>6} {r['step_ms_one_device']:>9.2f} {r['collectives_ms_priced']:>8.2f} "
               f"{r['collectives_per_step']:>6} {r['projected_itl_ms']:>8.2f} {r['projected_tokens_per_s']:>8.1f} "
-              f"{r['rank0_pairs_per_layer']:>6.1f}/{r['most_loaded_pairs_per_layer']:<6.1f}")
+              + (f"{r['rank0_pairs_per_layer']:>6.1f}/{r['most_loaded_pairs_per_layer']:<6.1f}"
+                 if r["rank0_pairs_per_layer"] is not None else f"{'-':>6}"))
     print("SGLang V4-Flash, batch 1: " + ", ".join(f"{k} {v} ms" for k, v in SGLANG_V4_FLASH_MS.items()))
     if args.json:
         with open(args.json, "w") as f:

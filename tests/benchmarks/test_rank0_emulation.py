@@ -58,3 +58,19 @@ def test_rank0_share_and_its_collectives_per_step(reduced):
     assert row["collectives_per_step"] == sum(want.values())
     assert row["most_loaded_pairs_per_layer"] >= row["rank0_pairs_per_layer"] > 0
     assert row["collectives_ms_priced"] >= sum(want.values()) * 1e-2  # at least alpha (10 us) per call
+
+
+def test_real_forward_rows_record_the_reduced_form_and_feed_the_graph_rows_pricing(monkeypatch):
+    """--graphs runs the block's own forward (no padding, no host sync): the eager row records the same
+    collectives per step as the emulated all-reduce form, and its call list is what a graph row prices."""
+    cfg = preset("tiny").replace(**CFG)
+    log = CallLog()
+    model = build_rank0(cfg, TP, torch.device("cpu"), torch.float32, log, seed=0)
+    monkeypatch.setattr(EmulatedExpertParallelMoE, "real_forward", True)
+    row = run_batch(model, 2, 16, 2, torch.device("cpu"), "float32", log, LinkModel(1e-5, 3.5e11), TP)
+    layers = cfg.num_hidden_layers
+    kinds = collections.Counter(k for k, _ in row["step_calls"])
+    assert kinds == collections.Counter({"all_reduce": 3 * layers + 1, "all_gather": 1}), kinds
+    assert row["rank0_pairs_per_layer"] is None and row["cuda_graphs"] is False
+    priced = CallLog(list(row["step_calls"])).priced_s(LinkModel(1e-5, 3.5e11), TP) * 1e3
+    assert abs(priced - row["collectives_ms_priced"]) <= 5e-4  # the row rounds to 1 us
