@@ -72,12 +72,16 @@ def child(args) -> dict:
     built = time.monotonic() - START
     report = warm_up(engine) if args.mode != "cold" else None
     ready = time.monotonic() - START
+    # progress lines as it goes, so that a run cut short still tells what it measured
+    print("PROGRESS " + json.dumps({"mode": args.mode, "built_s": built, "ready_s": ready,
+                                    "warmup_s": None if report is None else report.total_s}), flush=True)
     rows = []
     for b in batches:
         first = run_batch(engine, b, args.prompt, args.tokens, "first")
         again = run_batch(engine, b, args.prompt, args.tokens, "again")
         rows.append({"batch": b, "first": first, "warm": again,
                      "ttft_ratio": first["ttft_s"] / again["ttft_s"], "itl_ratio": first["itl_s"] / again["itl_s"]})
+        print("PROGRESS " + json.dumps({"mode": args.mode, **rows[-1]}), flush=True)
     return {"mode": args.mode, "built_s": built, "ready_s": ready,
             "warmup_s": None if report is None else report.total_s,
             "warmup_sizes": None if report is None else list(report.sizes), "rows": rows}
@@ -106,8 +110,16 @@ def main() -> None:
                 continue
             argv = [sys.executable, "-P", __file__, *sys.argv[1:], "--mode", mode]
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
-            out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
-            results.append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:]))
+            with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) as proc:
+                result = None
+                for line in proc.stdout:  # echoed as they come (the child's stderr passes through)
+                    if line.startswith("PROGRESS "):
+                        print(line[9:], end="", flush=True)
+                    elif line.startswith("RESULT "):
+                        result = json.loads(line[7:])
+            if proc.returncode or result is None:
+                raise SystemExit(f"the {mode} process failed (exit {proc.returncode})")
+            results.append(result)
     print(f"{'mode':8} {'ready s':>8} {'warm-up s':>9} | first batch against a warm one: TTFT, ITL ratios")
     for res in results:
         print(f"{res['mode']:8} {res['ready_s']:8.1f} {res['warmup_s'] or 0:9.1f} | " + " | ".join(
