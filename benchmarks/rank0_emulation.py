@@ -269,7 +269,8 @@ def main() -> None:
     print(f"{'B':>4} {'graphs':>6} {'step ms':>9} {'coll ms':>8} {'calls':>6} {'ITL ms':>8} {'tok/s':>8} "
           f"{'pairs r0/max':>13}")
     for r in rows:
-        print(f"{r['batch']:>4} {str(r['cuda_graphs']):>6} {r['step_ms_one_device']:>9.2f} {r['collectives_ms_priced']:>8.2f} "
+        print(f"{r['batch']:>4} {str(r['cuda_graphs']):>6} {r['step_ms_one_device']:>9.2f} "
+              f"{r['collectives_ms_priced']:>8.2f} "
               f"{r['collectives_per_step']:>6} {r['projected_itl_ms']:>8.2f} {r['projected_tokens_per_s']:>8.1f} "
               + (f"{r['rank0_pairs_per_layer']:>6.1f}/{r['most_loaded_pairs_per_layer']:<6.1f}"
                  if r["rank0_pairs_per_layer"] is not None else f"{'-':>6}"))

@@ -2,8 +2,8 @@
 
 Rank r of the EP group holds the whole experts ``[r * E / ep, (r + 1) * E / ep)``. Inside a TP group the
 tokens are replicated. At decode sizes on one host the block is one all-reduce of per-pair rows (below);
-otherwise (the all-to-all form drawn here) each TP rank takes its own run of the rows (``even_shard``: no token is sent
-twice), routes them, and sends each (token, expert) pair to the expert's owner; the owner runs its experts
+otherwise (the all-to-all form drawn here) each TP rank takes its own run of the rows (``even_shard``: no
+token is sent twice), routes them, and sends each (token, expert) pair to the expert's owner; the owner runs its experts
 on the pairs it received through the grouped MoE op with its subset (``moe_grouped_ffn(..., expert_ids=
 the rank's global ids)``, one pair per row), and the per-pair outputs come back to the token's rank, which
 sums them in ascending expert id, the spec's order. The shared expert is split over the TP group like a
@@ -49,7 +49,8 @@ Who runs the shared expert: every rank, on its TP slice, for its TP group's toke
 DP-attention + EP layout, each rank runs the whole shared expert on its own tokens). Its output joins the
 routed sum in the all-reduce the block needs anyway: no extra collective, and each rank's work follows its
 own token count. Stored, the slice runs through the same op (no routed pair, the FP8 slice as its shared
-expert), as one process runs it, unless its FP8 blocks would straddle ranks. One rank running it for everyone would need every token sent there (another collective
+expert), as one process runs it, unless its FP8 blocks would straddle ranks. One rank running it for everyone
+would need every token sent there (another collective
 each layer) and would make that rank the straggler of every layer.
 
 Every rank must run the block the same number of times (a data-parallel replica without tokens still

@@ -39,17 +39,17 @@ decoded to bf16 *with their scale folded in*: e2m1 * 2^s and e4m3 * 2^s have at 
 so they are exact in bf16 (as are the fp8-quantised activations), every product of the bf16 tensor-core dot
 is exact, accumulated in fp32: the result differs from the fp32 reference only by summation order.
 Decoding (``MoEGemmConfig.decode``). "bits" (the default): integer ops put each code's magnitude and sign bits
-into a bf16 (e2m1: value * 2^-126; e4m3: value * 2^-120, NaN codes kept), then two bf16x2 FMAs scale it by
-2^126 (2^120) and by the block's 2^(s - 127), in inline PTX over four bytes at a time (``_E2M1_PAIRS_ASM``,
-``_E4M3_PAIRS_ASM``): ~3 instructions per weight element and no conversion instruction. "cvt": an e2m1 nibble
-is rewritten as the e4m3 code of value / 64 (``_e2m1_as_e4m3``), both formats take the hardware e4m3 -> f16
+into a bf16 (e2m1: value * 2^-126; e4m3: value * 2^-120, NaN codes kept), then two bf16x2 FMAs scale it by 2^126
+(2^120) and by the block's 2^(s - 127), in inline PTX over four bytes at a time (``_E2M1_PAIRS_ASM``,
+``_E4M3_PAIRS_ASM``): ~3 instructions per weight element and no conversion instruction. "cvt": an e2m1 nibble is
+rewritten as the e4m3 code of value / 64 (``_e2m1_as_e4m3``), both formats take the hardware e4m3 -> f16
 conversion (two codes per instruction), then the scale (and 64 for e2m1) in fp32 (exact: the kernels keep fp32
-subnormals), then bf16: about 9 instructions and 2 conversions (a quarter-rate unit) per weight element. Both
-give the same bits (tests/kernels/test_moe_decode_gpu.py, every code under every scale byte). On an H100, same launch
-shape, same run, "bits" took w1+w3 from 147 / 308 / 486 us to 128 / 257 / 426 us at 1 / 8 / 64 tokens (the
-tuned table: layer 4.6 / 4.1 / 6.1x its byte floor, docs/perf/moe.json): decode was one cost, not the only one. Under TRITON_INTERPRET=1 operands stay fp32 (the
-interpreter has no bf16 dot and no inline PTX) and the codes go through the bit decoder (its fp8 cast misreads
-NaN codes).
+subnormals), then bf16: about 9 instructions and 2 conversions (a lower-throughput unit) per weight element. Both give
+the same bits (tests/kernels/test_moe_decode_gpu.py, every code under every scale byte). On an H100, same launch
+shape, same run, "bits" took w1+w3 from 147 / 308 / 486 us to 128 / 257 / 426 us at 1 / 8 / 64 tokens (the tuned
+table: layer 4.6 / 4.1 / 6.1x its byte floor, docs/perf/moe.json): decode was one cost, not the only one. Under
+TRITON_INTERPRET=1 operands stay fp32 (the interpreter has no bf16 dot and no inline PTX) and the codes go through
+the bit decoder (its fp8 cast misreads NaN codes).
 
 The fp8 x fp8 alternative (e2m1 -> e4m3 is lossless) would halve MMA time, but decode at batch <= 64 is bound
 by weight bytes, not MMA rate, and Hopper's fp8 MMA accumulates with ~14 bits (DeepSeek-V3 report §3.3.2),

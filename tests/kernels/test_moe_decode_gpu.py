@@ -6,7 +6,8 @@ decoders ("cvt": hardware fp8 conversions, "bits": integer ops and two bf16 FMAs
 give exactly the spec's values: ``dequantize_mxfp4`` (e2m1 * 2^(s - 127) has at most 2 significant bits, so
 bf16 holds it exactly, subnormal results of scale bytes 0 and 1 included) and, for the shared expert's FP8
 weights (32 x 32 blocks), ``dequantize_fp8_weight`` in bf16 (exact for scale bytes >= 4; below, bf16's
-subnormals round it, the same way for both decoders); signed zeros kept, NaN codes and scale byte 255 NaN. The CPU suite cannot run these (the interpreter has no inline PTX; it runs the fp32 bit decoder, which
+subnormals round it, the same way for both decoders); signed zeros kept, NaN codes and scale byte 255 NaN.
+The CPU suite cannot run these (the interpreter has no inline PTX; it runs the fp32 bit decoder, which
 the interpreted kernel tests cover). Tolerance: none (bit-equal after fp32 widening, NaN == NaN).
 """
 
