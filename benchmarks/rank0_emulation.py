@@ -145,21 +145,18 @@ class EmulatedExpertParallelMoE(ExpertParallelMoE):
         ws = torch.where(mine >= 0, w.flatten()[mine.clamp(min=0)], torch.ones_like(mine, dtype=w.dtype))
         out = moe_grouped_ffn(x[rows], ids[:, None].int(), ws[:, None].to(w.dtype), rx.routed(), None, self.limit,
                               expert_ids=rx.expert_ids, impl=rx.impl)
-        row_bytes = x.shape[1] * x.element_size()
-        if self.reduces_pairs(n):  # the all-reduce form: one all-reduce of [pairs ; shared partial], no dispatch
-            y = self._shared(x)
-            real = mine >= 0
-            y.index_add_(0, rows[real], out[real])
-            self.tp._record("all_reduce", (n * k + n) * row_bytes)
-            return y
-        # the all-to-all form. The wire: rank 0's own rows' pairs out (its 1/tp of the batch), the pairs for its
-        # experts in, as the real dispatch's payload [x | weight | id] and combine's [out]
-        sent = -(-n // self.tp.size) * k
-        self.ep._record("all_to_all", max(sent, target) * (row_bytes + 2 * x.element_size()))
-        self.ep._record("all_to_all", max(sent, target) * row_bytes)
         y = self._shared(x)
         real = mine >= 0
         y.index_add_(0, rows[real], out[real])
+        row_bytes = x.shape[1] * x.element_size()
+        if self.reduces_pairs(n):  # the all-reduce form: one all-reduce of [pairs ; shared partial], no dispatch
+            self.tp._record("all_reduce", (n * k + n) * row_bytes)
+            return y
+        # the all-to-all form. The wire: rank 0's own rows' pairs out (its 1/tp of the batch), the pairs for its
+        # experts in, as the real dispatch's payload [x | weight | id] and combine's [out]; then the all-reduce
+        sent = -(-n // self.tp.size) * k
+        self.ep._record("all_to_all", max(sent, target) * (row_bytes + 2 * x.element_size()))
+        self.ep._record("all_to_all", max(sent, target) * row_bytes)
         return self.tp.all_reduce(y)
 
 
@@ -193,9 +190,8 @@ def run_batch(model, batch: int, prompt: int, steps: int, device: torch.device, 
     engine.step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    times, priced, calls = [], [], []
+    times, priced, recorded = [], [], []
     EmulatedExpertParallelMoE.pairs_seen.clear()
-    recorded = []
     for _ in range(steps):
         log.calls.clear()
         t = time.perf_counter()
@@ -206,13 +202,13 @@ def run_batch(model, batch: int, prompt: int, steps: int, device: torch.device, 
             log.calls[:] = list(step_calls or [])
         recorded.append(list(log.calls))
         priced.append(log.priced_s(link, tp))
-        calls.append(len(log.calls))
     engine.close()
     step_ms, coll_ms = statistics.median(times) * 1e3, statistics.median(priced) * 1e3
     seen = EmulatedExpertParallelMoE.pairs_seen
+    middle = recorded[len(recorded) // 2]
     return {"batch": batch, "cuda_graphs": graphs, "step_ms_one_device": round(step_ms, 3),
-            "collectives_ms_priced": round(coll_ms, 3), "step_calls": recorded[len(recorded) // 2],
-            "collectives_per_step": calls[len(calls) // 2], "projected_itl_ms": round(step_ms + coll_ms, 3),
+            "collectives_ms_priced": round(coll_ms, 3), "step_calls": middle,
+            "collectives_per_step": len(middle), "projected_itl_ms": round(step_ms + coll_ms, 3),
             "projected_tokens_per_s": round(batch / (step_ms + coll_ms) * 1e3, 1),
             "rank0_pairs_per_layer": round(sum(a for a, _ in seen) / len(seen), 2) if seen else None,
             "most_loaded_pairs_per_layer": round(sum(b for _, b in seen) / len(seen), 2) if seen else None}

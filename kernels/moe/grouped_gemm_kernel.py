@@ -83,6 +83,18 @@ MAX_SPLIT_K = 64
 TOKEN_TILE = 16  # rows per M tile (moe_align's block): the MMA's narrow side, never chosen from the batch
 DECODES = ("bits", "cvt")
 
+
+def _pairs_asm(regs: str, setup: list[str], pair: list[str], jobs: list[tuple[str, str, str, str]]) -> str:
+    """Inline PTX of a "bits" decoder: declare ``regs``, run ``setup`` once, then ``pair`` (the instructions that
+    turn two codes into one bf16x2 register) once per job ``(src, sel, mult, out)``: the source register of the
+    codes, the ``prmt`` selector putting two of its bytes into 16-bit lanes (0x4140: bytes 0 1; 0x4342: bytes
+    2 3), the register of their two scale multipliers and the output register."""
+    lines = ["", "{", f".reg .b32 {regs};", *setup]
+    for src, sel, mult, out in jobs:
+        lines += [line.format(src=src, sel=sel, mult=mult, out=out) for line in pair]
+    return "\n".join([*lines, "}", ""])
+
+
 # Four MXFP4 bytes (eight e2m1 codes: element 2j in the low nibble of byte j) and their four bf16 scale
 # multipliers 2^(s - 127) -> the four even and four odd elements as bf16 pairs, exact. Per pair of codes n:
 # (n * 0x1040) & 0x81C0 puts the 3 magnitude bits at bf16 bits 8..6 (exponent low bits, mantissa top) and the
@@ -90,37 +102,14 @@ DECODES = ("bits", "cvt")
 # by 2^126 and one by the multiplier give value * 2^(s - 127), exact (at most 2 significant bits; bf16
 # subnormals are kept by fma.rn.bf16x2). ~3 instructions per element, against ~9 and two conversions of "cvt".
 # Operands: $0 $1 even pairs, $2 $3 odd pairs (outputs); $4 the bytes; $5 $6 the multipliers of bytes 0 1 / 2 3.
-_E2M1_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 ev, od, p, z, c, m;
-mov.b32 z, 0;
-mov.b32 c, 0x7E807E80;
-mov.b32 m, 0x80008000;
-and.b32 ev, $4, 0x0F0F0F0F;
-shr.b32 od, $4, 4;
-and.b32 od, od, 0x0F0F0F0F;
-prmt.b32 p, ev, z, 0x4140;
-mul.lo.u32 p, p, 0x1040;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 p, p, c, m;
-fma.rn.bf16x2 $0, p, $5, m;
-prmt.b32 p, ev, z, 0x4342;
-mul.lo.u32 p, p, 0x1040;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 p, p, c, m;
-fma.rn.bf16x2 $1, p, $6, m;
-prmt.b32 p, od, z, 0x4140;
-mul.lo.u32 p, p, 0x1040;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 p, p, c, m;
-fma.rn.bf16x2 $2, p, $5, m;
-prmt.b32 p, od, z, 0x4342;
-mul.lo.u32 p, p, 0x1040;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 p, p, c, m;
-fma.rn.bf16x2 $3, p, $6, m;
-}
-""")
+_E2M1_PAIRS_ASM = tl.constexpr(_pairs_asm(
+    "ev, od, p, z, c, m",
+    ["mov.b32 z, 0;", "mov.b32 c, 0x7E807E80;", "mov.b32 m, 0x80008000;",  # c = 2^126 (both halves), m = -0
+     "and.b32 ev, $4, 0x0F0F0F0F;", "shr.b32 od, $4, 4;", "and.b32 od, od, 0x0F0F0F0F;"],  # even / odd nibbles
+    ["prmt.b32 p, {src}, z, {sel};", "mul.lo.u32 p, p, 0x1040;", "and.b32 p, p, 0x81C081C0;",
+     "fma.rn.bf16x2 p, p, c, m;", "fma.rn.bf16x2 {out}, p, {mult}, m;"],
+    [("ev", "0x4140", "$5", "$0"), ("ev", "0x4342", "$6", "$1"), ("od", "0x4140", "$5", "$2"),
+     ("od", "0x4342", "$6", "$3")]))
 
 
 # Four e4m3 codes of the even elements ($4), four of the odd ($5) and the bf16 scale multipliers of their four
@@ -129,66 +118,16 @@ fma.rn.bf16x2 $3, p, $6, m;
 # and one by the multiplier; a NaN code (magnitude 0x7F) is the only one whose magnitude bits reach 0x7F0, and
 # (+ 0x10) carries into bit 11 there: that lane gets 0x7FC0 OR-ed in (a NaN). The products are exact where bf16
 # can hold them (scale byte >= 4; below that bf16 rounds, as "cvt"'s fp32 -> bf16 does).
-_E4M3_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 p, t, u, v, z, c, m;
-mov.b32 z, 0;
-mov.b32 c, 0x7B807B80;
-mov.b32 m, 0x80008000;
-prmt.b32 p, $4, z, 0x4140;
-shl.b32 t, p, 4;
-and.b32 t, t, 0x07F007F0;
-shl.b32 u, p, 8;
-and.b32 u, u, 0x80008000;
-add.u32 v, t, 0x00100010;
-and.b32 v, v, 0x08000800;
-shr.u32 v, v, 11;
-mul.lo.u32 v, v, 0x7FC0;
-or.b32 t, t, u;
-fma.rn.bf16x2 t, t, c, m;
-fma.rn.bf16x2 t, t, $6, m;
-or.b32 $0, t, v;
-prmt.b32 p, $4, z, 0x4342;
-shl.b32 t, p, 4;
-and.b32 t, t, 0x07F007F0;
-shl.b32 u, p, 8;
-and.b32 u, u, 0x80008000;
-add.u32 v, t, 0x00100010;
-and.b32 v, v, 0x08000800;
-shr.u32 v, v, 11;
-mul.lo.u32 v, v, 0x7FC0;
-or.b32 t, t, u;
-fma.rn.bf16x2 t, t, c, m;
-fma.rn.bf16x2 t, t, $7, m;
-or.b32 $1, t, v;
-prmt.b32 p, $5, z, 0x4140;
-shl.b32 t, p, 4;
-and.b32 t, t, 0x07F007F0;
-shl.b32 u, p, 8;
-and.b32 u, u, 0x80008000;
-add.u32 v, t, 0x00100010;
-and.b32 v, v, 0x08000800;
-shr.u32 v, v, 11;
-mul.lo.u32 v, v, 0x7FC0;
-or.b32 t, t, u;
-fma.rn.bf16x2 t, t, c, m;
-fma.rn.bf16x2 t, t, $6, m;
-or.b32 $2, t, v;
-prmt.b32 p, $5, z, 0x4342;
-shl.b32 t, p, 4;
-and.b32 t, t, 0x07F007F0;
-shl.b32 u, p, 8;
-and.b32 u, u, 0x80008000;
-add.u32 v, t, 0x00100010;
-and.b32 v, v, 0x08000800;
-shr.u32 v, v, 11;
-mul.lo.u32 v, v, 0x7FC0;
-or.b32 t, t, u;
-fma.rn.bf16x2 t, t, c, m;
-fma.rn.bf16x2 t, t, $7, m;
-or.b32 $3, t, v;
-}
-""")
+_E4M3_PAIRS_ASM = tl.constexpr(_pairs_asm(
+    "p, t, u, v, z, c, m",
+    ["mov.b32 z, 0;", "mov.b32 c, 0x7B807B80;", "mov.b32 m, 0x80008000;"],  # c = 2^120 (both halves), m = -0
+    ["prmt.b32 p, {src}, z, {sel};", "shl.b32 t, p, 4;", "and.b32 t, t, 0x07F007F0;", "shl.b32 u, p, 8;",
+     "and.b32 u, u, 0x80008000;", "add.u32 v, t, 0x00100010;", "and.b32 v, v, 0x08000800;", "shr.u32 v, v, 11;",
+     "mul.lo.u32 v, v, 0x7FC0;", "or.b32 t, t, u;", "fma.rn.bf16x2 t, t, c, m;", "fma.rn.bf16x2 t, t, {mult}, m;",
+     "or.b32 {out}, t, v;"],
+    [("$4", "0x4140", "$6", "$0"), ("$4", "0x4342", "$7", "$1"), ("$5", "0x4140", "$6", "$2"),
+     ("$5", "0x4342", "$7", "$3")]))
+
 
 @dataclass(frozen=True)
 class MoEGemmConfig:
@@ -251,10 +190,17 @@ def _e2m1_as_e4m3(b):
 
 @triton.jit
 def _e8m0_bf16(b_s):
-    """bf16 2^(s - 127) for uint8 e8m0 bytes (0 -> the subnormal 2^-127, 255 -> NaN), built from bits."""
+    """bf16 2^(s - 127) for uint8 e8m0 bytes (0 -> the subnormal 2^-127, 255 -> NaN), built from bits (no float
+    conversion, which could flush the subnormal)."""
     b = b_s.to(tl.int32)
     bits = tl.where(b == 0, 0x0040, tl.where(b == 255, 0x7FC0, b << 7))
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _repeat16(b, BN: tl.constexpr, NS: tl.constexpr):
+    """[BN, NS] -> [BN, NS * 16], each value repeated 16 times in registers: one scale per 16 even (odd) elements."""
+    return tl.reshape(tl.broadcast_to(b[:, :, None], (BN, NS, 16)), (BN, NS * 16))
 
 
 @triton.jit
@@ -265,23 +211,19 @@ def _decode_weights(b_w, b_s, FP8_W: tl.constexpr, BK: tl.constexpr, DT: tl.cons
     BN: tl.constexpr = b_w.shape[0]
     HALF: tl.constexpr = BK // 2
     NS: tl.constexpr = BK // 32
+    if FP8_W:  # even and odd codes (MXFP4 keeps them as the low and high nibbles of one byte)
+        b_ce, b_co = tl.split(tl.reshape(b_w, (BN, HALF, 2)))
     if DECODE == "bits" and DT == tl.bfloat16:
-        b_m = _e8m0_bf16(b_s)
-        b_m = tl.reshape(tl.broadcast_to(b_m[:, :, None], (BN, NS, 16)), (BN, HALF))
+        b_m = _repeat16(_e8m0_bf16(b_s), BN, NS)
         if FP8_W:
-            b_ce, b_co = tl.split(tl.reshape(b_w, (BN, HALF, 2)))
             b_even, b_odd = tl.inline_asm_elementwise(_E4M3_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r", [b_ce, b_co, b_m],
                                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
             b_even, b_odd = tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [b_w, b_m],
                                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return b_even, b_odd
-    # one scale per 16 even (odd) elements: repeat each 16 times in registers
-    b_sf = _e8m0_to_f32(b_s.to(tl.int32))
-    b_sf = tl.reshape(tl.broadcast_to(b_sf[:, :, None], (BN, NS, 16)), (BN, HALF))
-    if FP8_W:
-        b_ce, b_co = tl.split(tl.reshape(b_w, (BN, HALF, 2)))
-    else:  # e2m1 -> the e4m3 code of value / 64 (exact: 2 exponent bits, 1 mantissa bit)
+    b_sf = _repeat16(_e8m0_to_f32(b_s.to(tl.int32)), BN, NS)
+    if not FP8_W:  # e2m1 -> the e4m3 code of value / 64 (exact: 2 exponent bits, 1 mantissa bit)
         b_ce = _e2m1_as_e4m3(b_w)
         b_co = _e2m1_as_e4m3(b_w >> 4)
     if DT == tl.float32:  # interpreted: the bit decoder (the interpreter's fp8 cast misreads NaN codes)

@@ -134,22 +134,29 @@ def rank_main(rank: int, model: Transformer, job: Job) -> None:
         raise
 
 
-def moe_rank_main(rank: int, moe: torch.nn.Module, xs: list[torch.Tensor], job: Job) -> None:
-    """Child entry of the MoE-only test: ``ExpertParallelMoE`` of ``moe`` on this DP replica's rows
-    ``xs[dp_rank]`` (possibly none); saves the output to ``OUT_DIR/rank{R}.pt`` (errors as in ``rank_main``)."""
+def _in_group(rank: int, job: Job, compute) -> None:
+    """A child's life in the job's process group: join it (gloo on loopback, one torch thread), save
+    ``compute(groups)`` (under no_grad) to ``OUT_DIR/rank{R}.pt``, leave the group; a failure's traceback goes
+    to ``rank{R}.err`` (as in ``rank_main``) and is raised again."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
         groups = init_distributed(job.parallel, rank, init_method=f"tcp://127.0.0.1:{job.port}", timeout_s=60)
         try:
             with torch.no_grad():
-                y = ExpertParallelMoE(moe, groups.tp, groups.ep)(xs[groups.dp_rank])
-            torch.save(y, job.out_dir / f"rank{rank}.pt")
+                out = compute(groups)
+            torch.save(out, job.out_dir / f"rank{rank}.pt")
         finally:
             shutdown_distributed()
     except BaseException:  # noqa: BLE001 - reported to the parent through the file
         (job.out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
+
+
+def moe_rank_main(rank: int, moe: torch.nn.Module, xs: list[torch.Tensor], job: Job) -> None:
+    """Child entry of the MoE-only test: ``ExpertParallelMoE`` of ``moe`` on this DP replica's rows
+    ``xs[dp_rank]`` (possibly none); saves the output to ``OUT_DIR/rank{R}.pt`` (errors as in ``rank_main``)."""
+    _in_group(rank, job, lambda groups: ExpertParallelMoE(moe, groups.tp, groups.ep)(xs[groups.dp_rank]))
 
 
 def _ep_variants(groups, moe: torch.nn.Module, x: torch.Tensor, drop_expert: int) -> dict[str, torch.Tensor]:
@@ -193,19 +200,7 @@ def _ep_variants(groups, moe: torch.nn.Module, x: torch.Tensor, drop_expert: int
 def moe_ep_variants_main(rank: int, moe: torch.nn.Module, xs: list[torch.Tensor], drop_expert: int, job: Job) -> None:
     """Child entry of the grouped-op EP tests: ``_ep_variants`` on this DP replica's rows ``xs[dp_rank]``, saved
     as a dict to ``OUT_DIR/rank{R}.pt`` (errors as in ``rank_main``)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    try:
-        groups = init_distributed(job.parallel, rank, init_method=f"tcp://127.0.0.1:{job.port}", timeout_s=60)
-        try:
-            with torch.no_grad():
-                out = _ep_variants(groups, moe, xs[groups.dp_rank], drop_expert)
-            torch.save(out, job.out_dir / f"rank{rank}.pt")
-        finally:
-            shutdown_distributed()
-    except BaseException:  # noqa: BLE001 - reported to the parent through the file
-        (job.out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    _in_group(rank, job, lambda groups: _ep_variants(groups, moe, xs[groups.dp_rank], drop_expert))
 
 
 def _tp_forms(groups, moe: torch.nn.Module, x: torch.Tensor, drop_expert: int) -> dict[str, torch.Tensor]:
@@ -252,16 +247,4 @@ def _tp_forms(groups, moe: torch.nn.Module, x: torch.Tensor, drop_expert: int) -
 def moe_tp_forms_main(rank: int, moe: torch.nn.Module, x: torch.Tensor, drop_expert: int, job: Job) -> None:
     """Child entry of the TP-group EP tests: ``_tp_forms`` on the replicated rows ``x``, saved as a dict to
     ``OUT_DIR/rank{R}.pt`` (errors as in ``rank_main``)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    try:
-        groups = init_distributed(job.parallel, rank, init_method=f"tcp://127.0.0.1:{job.port}", timeout_s=60)
-        try:
-            with torch.no_grad():
-                out = _tp_forms(groups, moe, x, drop_expert)
-            torch.save(out, job.out_dir / f"rank{rank}.pt")
-        finally:
-            shutdown_distributed()
-    except BaseException:  # noqa: BLE001 - reported to the parent through the file
-        (job.out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    _in_group(rank, job, lambda groups: _tp_forms(groups, moe, x, drop_expert))
