@@ -11,12 +11,15 @@ Three fresh processes (each its own Triton cache state, as a restarted server ha
 In each, per batch size b (in order): b requests of ``--prompt`` tokens (distinct, no prefix sharing), greedy,
 ``--tokens`` new tokens: TTFT = until every request has its first token; ITL = the mean decode step after it.
 Then the same shape again with new prompts (the warm reference measured in the same process). The ratios
-first / warm are what the acceptance reads (<= 1.5 with the warm-up).
+first / warm are what the acceptance reads (<= 1.5 with the warm-up). Each row also counts the Triton kernels
+compiled while it ran (after a warm-up that covered the shapes: 0); ``--profile-first`` prints where each first
+batch's time went and what it compiled.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -59,6 +62,44 @@ def run_batch(engine, b: int, prompt: int, tokens: int, salt: str) -> dict:
     return {"ttft_s": ttft, "itl_s": itl, "decode_steps": steps}
 
 
+@contextlib.contextmanager
+def _compile_log():
+    """The Triton kernels compiled inside the block (Triton's post-compile hook: an in-process cache miss, from
+    its disk cache or not): a list of their launch reprs, filled as they come."""
+    from triton import knobs
+
+    compiled: list[str] = []
+    hook = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(str(kw.get("repr", "?"))[:400])
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_post_compile_hook = hook
+
+
+@contextlib.contextmanager
+def _profiled(on: bool, label: str, compiled: list[str]):
+    """With ``on``: what the block spent its time in (cProfile, top functions by cumulative time) and the
+    kernels it compiled, printed to stderr: what the warm-up missed."""
+    if not on:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+        print(f"PROFILE {label}: {len(compiled)} Triton compiles", *compiled, out.getvalue(), sep="\n",
+              file=sys.stderr, flush=True)
+
+
 def child(args) -> dict:
     from flashtier.engine.config import EngineConfig
     from flashtier.engine.factory import build_engine
@@ -77,8 +118,12 @@ def child(args) -> dict:
                                     "warmup_s": None if report is None else report.total_s}), flush=True)
     rows = []
     for b in batches:
-        first = run_batch(engine, b, args.prompt, args.tokens, "first")
-        again = run_batch(engine, b, args.prompt, args.tokens, "again")
+        with _compile_log() as compiled, _profiled(args.profile_first, f"{args.mode} b={b} first", compiled):
+            first = run_batch(engine, b, args.prompt, args.tokens, "first")
+        first["compiles"] = len(compiled)
+        with _compile_log() as compiled:
+            again = run_batch(engine, b, args.prompt, args.tokens, "again")
+        again["compiles"] = len(compiled)
         rows.append({"batch": b, "first": first, "warm": again,
                      "ttft_ratio": first["ttft_s"] / again["ttft_s"], "itl_ratio": first["itl_s"] / again["itl_s"]})
         print("PROGRESS " + json.dumps({"mode": args.mode, **rows[-1]}), flush=True)
@@ -96,6 +141,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--modes", default="cold,warm,restart", help="which processes to run (restart needs warm)")
     ap.add_argument("--json")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="profile the first batch of each size (stderr): where a first request's time goes")
     ap.add_argument("--mode", choices=["cold", "warm", "restart"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
@@ -124,6 +171,7 @@ def main() -> None:
     for res in results:
         print(f"{res['mode']:8} {res['ready_s']:8.1f} {res['warmup_s'] or 0:9.1f} | " + " | ".join(
             f"b={r['batch']}: TTFT x{r['ttft_ratio']:.2f} ({r['first']['ttft_s']:.2f}s) ITL x{r['itl_ratio']:.2f}"
+            f" {r['first']['compiles']} compiles"
             for r in res["rows"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -126,7 +126,12 @@ def _split3(b):
     return hi, mid, lo
 
 
-@triton.jit
+# Counts that follow the batch (tokens, pairs, tiles): Triton would otherwise compile a variant for each combination
+# of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+BATCH_COUNTS = ("M", "stride_ys")  # stride_ys = M * N
+
+
+@triton.jit(do_not_specialize=BATCH_COUNTS)
 def _linear_kernel(
     p_x, p_w, p_y, M, N, K, k_split, stride_xm, stride_wn, stride_ys, stride_ym,
     MODE: tl.constexpr, SPLITS: tl.constexpr, INLINE: tl.constexpr, OUT_BF16: tl.constexpr,

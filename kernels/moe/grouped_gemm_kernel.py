@@ -369,7 +369,12 @@ def _chunk(
                         stride_ph, stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
 
 
-@triton.jit
+# Counts that follow the batch (tokens, pairs, tiles): Triton would otherwise compile a variant for each combination
+# of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+BATCH_COUNTS = ("n_pairs", "n_tok", "n_rblocks", "n_m", "m_lo", "m_hi")
+
+
+@triton.jit(do_not_specialize=BATCH_COUNTS)
 def _moe_gemm_kernel(
     p_a, p_ids, p_block_expert, p_first, p_rw, p_wq, p_ws, p_sq, p_ss, p_out, p_part,
     n_pairs, n_tok, top_k, n_exp, n_rblocks, n_m, m_lo, m_hi, K_R, K_S, N_R, N_S, stride_a, stride_out,

@@ -35,7 +35,12 @@ def _splitk_sum(p_prow, m, stride_ps, SPLIT_K: tl.constexpr):
     return b_v
 
 
-@triton.jit
+# Counts that follow the batch (tokens, pairs, tiles): Triton would otherwise compile a variant for each combination
+# of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+BATCH_COUNTS = ("n_pairs", "n_tok", "n_rblocks", "m_base")
+
+
+@triton.jit(do_not_specialize=BATCH_COUNTS)
 def _moe_splitk_reduce_kernel(
     p_part, p_out, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k, n_rblocks, m_base, N_R, N_S,
     stride_ps, stride_ph, stride_pr, stride_out, limit,
