@@ -107,8 +107,9 @@ def child(args) -> dict:
     from flashtier.kvstore.config import KVStoreConfig
 
     batches = [int(b) for b in args.batches.split(",")]
+    graph_sizes = tuple(int(b) for b in args.graph_sizes.split(",")) if args.graph_sizes else ()
     config = EngineConfig(preset=args.preset, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-                          max_num_batched_tokens=args.budget)
+                          max_num_batched_tokens=args.budget, cuda_graph_sizes=graph_sizes)
     engine = build_engine(config, KVStoreConfig(block_size=64))
     built = time.monotonic() - START
     report = warm_up(engine) if args.mode != "cold" else None
@@ -140,6 +141,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--modes", default="cold,warm,restart", help="which processes to run (restart needs warm)")
+    ap.add_argument("--graph-sizes", help="the captured (and warmed) decode sizes, as serve's --cuda-graph-sizes "
+                    "(default: every capture size up to the largest batch)")
     ap.add_argument("--json")
     ap.add_argument("--profile-first", action="store_true",
                     help="profile the first batch of each size (stderr): where a first request's time goes")
