@@ -18,6 +18,12 @@ the HBM prefix cache as free, evictable blocks under a namespace no client can r
 which a request's ``cache_salt`` cannot). Block-table widths beyond the smallest bucket (contexts over 16
 blocks) still capture on first use.
 
+What the throwaway shapes cannot cover is kept out of the compiled variants instead: the kernels whose integer
+arguments count the batch's tokens, pairs or tiles (the grouped MoE GEMM and its split-K reduce, the FP8 GEMM,
+the invariant linear, the indexer's score and select passes) leave them unspecialised (their ``*_COUNTS``
+tuples), so no combination of "== 1" and "divisible by 16" among a step's counts compiles a new variant. Without
+that, the first batch of 64 after a full warm-up compiled 19 on the request path (H100).
+
 The engine core's thread only, before it reports ready (engine/parallel/rank_worker.py). Failure: an exception from a step propagates (a warm-up that
 fails would fail the first request the same way); the tiers are reattached first.
 """
