@@ -39,7 +39,14 @@ def e8m0_scale_bytes(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     torch turns ``t / 448.0`` into ``t * (1 / 448)``, which is not always the correctly rounded quotient,
     and the scale exponent depends on it.
     """
-    return ceil_pow2_exponent(amax / torch.full_like(amax, qmax)).to(torch.uint8)
+    return ceil_pow2_byte(amax / torch.full_like(amax, qmax))
+
+
+def ceil_pow2_byte(s: torch.Tensor) -> torch.Tensor:
+    """``ceil_pow2_exponent(s).to(torch.uint8)`` in fewer ops, for every fp32 bit pattern (NaN's 256 wraps to
+    0, as the cast does): adding 0x7FFFFF carries into the exponent exactly when a mantissa bit is set.
+    The CPU engine computes a scale per 32 activations of every FP8 linear; this halves that cost."""
+    return (((s.to(torch.float32).view(torch.int32) + 0x7FFFFF) >> 23) & 0xFF).to(torch.uint8)
 
 
 def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:

@@ -128,3 +128,61 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):
         quantize_fp8(torch.randn(1, 32), impl="triton")
+
+
+def _nonfinite_blocks() -> torch.Tensor:
+    x = torch.randn(4, 64)
+    x[0, 3], x[1, 40], x[2, 0], x[3, 9] = float("nan"), float("inf"), float("-inf"), float("nan")
+    x[3, 10] = float("inf")
+    return x
+
+
+def _bits_of_qdq_paths(x: torch.Tensor, fused) -> tuple[torch.Tensor, torch.Tensor]:
+    from flashtier.kernels.quant.fp8 import _reference_dequantize_fp8, _reference_quantize_fp8
+
+    two_pass = _reference_dequantize_fp8(*_reference_quantize_fp8(x), torch.float32)
+    return fused(x).view(torch.int32), two_pass.view(torch.int32)
+
+
+QDQ_INPUTS = {**edge_blocks(), "non_finite": _nonfinite_blocks(),
+              "bf16_rows": torch.randn(33, 256).bfloat16().float() * 3}
+
+
+@pytest.mark.parametrize("name", list(QDQ_INPUTS))
+def test_fused_reference_round_trip_is_bit_identical_to_the_byte_path(name):
+    from flashtier.kernels.quant.fp8 import _reference_qdq_fp8
+
+    fused, two_pass = _bits_of_qdq_paths(QDQ_INPUTS[name], _reference_qdq_fp8)
+    assert torch.equal(fused, two_pass)
+    assert torch.equal(fp8_qdq(QDQ_INPUTS[name], impl="reference").view(torch.int32), two_pass)  # the op takes it
+
+
+def test_a_fused_round_trip_with_a_coarser_scale_is_caught():
+    """One power of two too coarse (the scale rounded up twice): the check above must see it."""
+    from flashtier.kernels.quant.fp8 import E4M3_MAX, FP8_AMAX_FLOOR, e8m0_scale_bytes, e8m0_to_float
+
+    def coarse(x):
+        r, d = x.shape
+        b = x.reshape(r, d // 32, 32)
+        amax = b.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+        scale = 2 * e8m0_to_float(e8m0_scale_bytes(amax, E4M3_MAX))
+        return ((b / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale).reshape(r, d)
+
+    fused, two_pass = _bits_of_qdq_paths(QDQ_INPUTS["bf16_rows"], coarse)
+    assert not torch.equal(fused, two_pass)
+
+
+def test_ceil_pow2_byte_equals_the_exponent_rule_on_every_exponent_and_edge():
+    """Every exponent byte with sign and mantissa edges (0, 1, 0x400000, 0x7FFFFF) and 2^20 random patterns:
+    zeros, subnormals, normals, infinities and NaNs of both signs."""
+    from flashtier.kernels.quant.fp8_bits import ceil_pow2_byte, ceil_pow2_exponent
+
+    exp = torch.arange(256, dtype=torch.int64)[:, None] << 23
+    mant = torch.tensor([0, 1, 0x400000, 0x7FFFFF], dtype=torch.int64)[None, :]
+    edges = torch.cat([(exp | mant).flatten(), (exp | mant).flatten() | (1 << 31)])
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randint(0, 1 << 32, (1 << 20,), dtype=torch.int64, generator=g)
+    bits = torch.cat([edges, rand])
+    s = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    assert torch.equal(ceil_pow2_byte(s), ceil_pow2_exponent(s).to(torch.uint8))
+    assert not torch.equal(ceil_pow2_byte(s * 1.5), ceil_pow2_exponent(s).to(torch.uint8))  # the check can fail
