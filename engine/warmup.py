@@ -22,7 +22,10 @@ What the throwaway shapes cannot cover is kept out of the compiled variants inst
 arguments count the batch's tokens, pairs or tiles (the grouped MoE GEMM and its split-K reduce, the FP8 GEMM,
 the invariant linear, the indexer's score and select passes) leave them unspecialised (their ``*_COUNTS``
 tuples), so no combination of "== 1" and "divisible by 16" among a step's counts compiles a new variant. Without
-that, the first batch of 64 after a full warm-up compiled 19 on the request path (H100).
+that, the first batch of 64 after a full warm-up compiled 19 on the request path (H100). The indexer's block
+pads follow the top-k and a floor of 64 chunks rather than the context's length, so a conversation crossing a
+power of two no longer compiles its select passes anew. Other context-dependent variants (the sparse
+attention's lengths, for one) have not been audited on a GPU.
 
 The engine core's thread only, before it reports ready (engine/parallel/rank_worker.py). Failure: an exception from a step propagates (a warm-up that
 fails would fail the first request the same way); the tiers are reattached first.

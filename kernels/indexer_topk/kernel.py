@@ -157,8 +157,9 @@ def _mul_rn(a, b, INTERPRET: tl.constexpr):
     return y
 
 
-# Counts that follow the batch (rows, table width, key length, tiles): Triton would otherwise compile a variant for each combination
-# of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+# Counts that follow the batch (rows, table width, key length, tiles): Triton would otherwise compile a variant for
+# each combination of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+MIN_CHUNK_PAD = 64  # the write pass's prefix over chunk counts: one variant up to 64 chunks of keys
 SCORE_COUNTS = ("MAX_BLOCKS", "L_CAP", "C_CAP", "NB_CAP", "TILES", "s_tb", "s_cb", "s_bb")
 SELECT_COUNTS = ("L", "KTOP", "s_tb", "NCH")  # _count_kernel and _write_kernel
 
@@ -387,7 +388,10 @@ def finalize(keys, top, ktop, k, lengths, len_mode, cand, cand_block, cfg) -> tu
     chunk = cfg.final_block * cfg.final_tiles
     nch = max(1, triton.cdiv(length, chunk))
     cnt = torch.empty(b, nch, 2, dtype=torch.int32, device=keys.device)
-    kpad = max(16, triton.next_power_of_2(max(ktop, 1)))
+    # Both pads follow fixed sizes, not the context: the top-k (not the count of keys, which grows with the
+    # context until it reaches k) and a floor of 64 chunks (256K keys); a pad that tracked the context would
+    # compile a new variant each time a conversation crossed a power of two, on the request path.
+    kpad = max(16, triton.next_power_of_2(max(k, 1)))  # k >= ktop
     common = dict(CB=cand_block, LEN_MODE=len_mode, CHUNK=chunk, BLOCK=cfg.final_block, KPAD=kpad,
                   num_warps=cfg.final_warps)
     _count_kernel[(nch, b)](keys, keys.stride(0), length, top, top.stride(0), ktop, lengths, cnt, nch, **common)
@@ -395,7 +399,7 @@ def finalize(keys, top, ktop, k, lengths, len_mode, cand, cand_block, cfg) -> tu
     _write_kernel[(nch, b)](
         keys, keys.stride(0), length, top, top.stride(0), ktop, lengths, cnt, nch,
         cand if gather else lengths, cand.stride(0) if gather else 0, out, out.stride(0), counts, k,
-        GATHER=gather, NCH_PAD=max(16, triton.next_power_of_2(nch)), **common,
+        GATHER=gather, NCH_PAD=max(MIN_CHUNK_PAD, triton.next_power_of_2(nch)), **common,
     )
     return out, counts
 
