@@ -259,9 +259,9 @@ def _reduce_tile_if_last(p_ws, p_out, p_cnt, i_t, stride_s, stride_m, o_m, m_m, 
         tl.atomic_xchg(p_cnt + i_t, 0)
 
 
-# Counts that follow the batch (tokens, pairs, tiles): Triton would otherwise compile a variant for each combination
-# of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+# Integer arguments that follow the batch, left unspecialised (engine/warmup.py says why)
 BATCH_COUNTS = ("M",)
+REDUCE_COUNTS = ("MN",)  # _split_reduce_kernel
 
 
 @triton.jit(do_not_specialize=BATCH_COUNTS)
@@ -303,7 +303,7 @@ def _fp8_gemm_kernel(
                                  m_m, o_n, m_n, SPLITS, OUT_BF16)
 
 
-@triton.jit(do_not_specialize=("MN",))
+@triton.jit(do_not_specialize=REDUCE_COUNTS)
 def _split_reduce_kernel(p_ws, p_out, MN, S: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
     # Sums the S fp32 partials in split order (deterministic); read S * 4 bytes, write 2 or 4 per element.
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -157,11 +157,12 @@ def _mul_rn(a, b, INTERPRET: tl.constexpr):
     return y
 
 
-# Counts that follow the batch (rows, table width, key length, tiles): Triton would otherwise compile a variant for
-# each combination of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
-MIN_CHUNK_PAD = 64  # the write pass's prefix over chunk counts: one variant up to 64 chunks of keys
+# Integer arguments that follow the batch (rows, table width, key length, tiles), left unspecialised
+# (engine/warmup.py says why)
 SCORE_COUNTS = ("MAX_BLOCKS", "L_CAP", "C_CAP", "NB_CAP", "TILES", "s_tb", "s_cb", "s_bb")
-SELECT_COUNTS = ("L", "KTOP", "s_tb", "NCH")  # _count_kernel and _write_kernel
+COUNT_COUNTS = ("L", "KTOP", "s_tb", "NCH")  # _count_kernel
+WRITE_COUNTS = COUNT_COUNTS + ("s_cb",)  # _write_kernel
+MIN_CHUNK_PAD = 64  # the write pass's prefix over chunk counts: one variant up to 64 chunks of keys
 
 
 @triton.jit(do_not_specialize=SCORE_COUNTS)
@@ -266,7 +267,7 @@ def _row_len(len_ptr, b, L, CB: tl.constexpr, LEN_MODE: tl.constexpr):
     return tl.minimum(tl.maximum(n, 0), L)
 
 
-@triton.jit(do_not_specialize=SELECT_COUNTS)
+@triton.jit(do_not_specialize=COUNT_COUNTS)
 def _count_kernel(key_ptr, s_kb, L, top_ptr, s_tb, KTOP, len_ptr, cnt_ptr, NCH,
                   CB: tl.constexpr, LEN_MODE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                   KPAD: tl.constexpr):
@@ -287,7 +288,7 @@ def _count_kernel(key_ptr, s_kb, L, top_ptr, s_tb, KTOP, len_ptr, cnt_ptr, NCH,
     tl.store(cnt_ptr + (b * NCH + c) * 2 + 1, tl.where(k > 0, eq, 0))
 
 
-@triton.jit(do_not_specialize=SELECT_COUNTS + ("s_cb",))
+@triton.jit(do_not_specialize=WRITE_COUNTS)
 def _write_kernel(
     key_ptr, s_kb, L, top_ptr, s_tb, KTOP, len_ptr, cnt_ptr, NCH, cand_ptr, s_cb, out_ptr, s_ob, counts_ptr, K_OUT,
     CB: tl.constexpr, LEN_MODE: tl.constexpr, GATHER: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,

@@ -126,8 +126,7 @@ def _split3(b):
     return hi, mid, lo
 
 
-# Counts that follow the batch (tokens, pairs, tiles): Triton would otherwise compile a variant for each combination
-# of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+# Integer arguments that follow the batch, left unspecialised (engine/warmup.py says why)
 BATCH_COUNTS = ("M", "stride_ys")  # stride_ys = M * N
 
 

@@ -369,8 +369,7 @@ def _chunk(
                         stride_ph, stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
 
 
-# Counts that follow the batch (tokens, pairs, tiles): Triton would otherwise compile a variant for each combination
-# of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+# Integer arguments that follow the batch, left unspecialised (engine/warmup.py says why)
 BATCH_COUNTS = ("n_pairs", "n_tok", "n_rblocks", "n_m", "m_lo", "m_hi")
 
 

@@ -35,8 +35,7 @@ def _splitk_sum(p_prow, m, stride_ps, SPLIT_K: tl.constexpr):
     return b_v
 
 
-# Counts that follow the batch (tokens, pairs, tiles): Triton would otherwise compile a variant for each combination
-# of "== 1" and "divisible by 16" among them, on the request path after any warm-up (engine/warmup.py)
+# Integer arguments that follow the batch, left unspecialised (engine/warmup.py says why)
 BATCH_COUNTS = ("n_pairs", "n_tok", "n_rblocks", "m_base")
 
 

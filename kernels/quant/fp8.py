@@ -59,10 +59,16 @@ def reference_fp8_blocks(blocks: torch.Tensor, dims: tuple[int, ...]) -> tuple[t
     |x / s| <= 448 and the scale never clips the block's largest element); ``x / s`` is exact (s is a power
     of two; only fp32 subnormals round); the e4m3 cast rounds to nearest even.
     """
+    q, scales, _ = _scaled_blocks(blocks, dims)
+    return e4m3_bytes(q), scales.squeeze(dims)
+
+
+def _scaled_blocks(blocks: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x / s clamped to +-448, scale bytes, s)`` of fp32 ``blocks``, the scales kept in ``dims``."""
     amax = blocks.abs().amax(dim=dims, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
     scales = e8m0_scale_bytes(amax, E4M3_MAX)
-    q = (blocks / e8m0_to_float(scales)).clamp(-E4M3_MAX, E4M3_MAX)
-    return e4m3_bytes(q), scales.squeeze(dims)
+    scale = e8m0_to_float(scales)
+    return (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX), scales, scale
 
 
 def _reference_quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,11 +93,8 @@ def _reference_qdq_fp8(x: torch.Tensor) -> torch.Tensor:
     directly. The CPU engine runs this round trip on every FP8 linear's input: about half its cost went to
     the byte views and the second decode."""
     r, d = x.shape
-    blocks = x.to(torch.float32).reshape(r, d // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-    scale = e8m0_to_float(e8m0_scale_bytes(amax, E4M3_MAX))
-    q = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    return (q * scale).reshape(r, d)
+    q, _, scale = _scaled_blocks(x.to(torch.float32).reshape(r, d // FP8_BLOCK, FP8_BLOCK), (-1,))
+    return (q.to(torch.float8_e4m3fn).to(torch.float32) * scale).reshape(r, d)
 
 
 @triton.jit

@@ -20,11 +20,11 @@ KERNELS = {
     "moe_gemm": (moe._moe_gemm_kernel, moe.BATCH_COUNTS),
     "moe_splitk_reduce": (splitk._moe_splitk_reduce_kernel, splitk.BATCH_COUNTS),
     "fp8_gemm": (fp8._fp8_gemm_kernel, fp8.BATCH_COUNTS),
-    "fp8_split_reduce": (fp8._split_reduce_kernel, ("MN",)),
+    "fp8_split_reduce": (fp8._split_reduce_kernel, fp8.REDUCE_COUNTS),
     "invariant_linear": (linear._linear_kernel, linear.BATCH_COUNTS),
     "indexer_score": (indexer._score_kernel, indexer.SCORE_COUNTS),
-    "indexer_count": (indexer._count_kernel, indexer.SELECT_COUNTS),
-    "indexer_write": (indexer._write_kernel, indexer.SELECT_COUNTS + ("s_cb",)),
+    "indexer_count": (indexer._count_kernel, indexer.COUNT_COUNTS),
+    "indexer_write": (indexer._write_kernel, indexer.WRITE_COUNTS),
 }
 
 
