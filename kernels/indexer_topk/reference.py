@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtier.kernels.quant.e2m1 import e2m1_to_float, unpack_nibbles
+from flashtier.kernels.quant.e2m1 import packed_e2m1_to_float
 from flashtier.kernels.quant.fp8_bits import e8m0_to_float
 
 BLOCK = 32  # MXFP4 channels per scale
@@ -41,7 +41,7 @@ _CHUNK = 2048  # entries scored at a time: bounds the [B, chunk, IH, ID/32] temp
 
 def mxfp4_parts(rec: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscaled e2m1 values ``[..., D]`` fp32 and scales ``[..., D/32]`` fp32 of MXFP4 records ``[..., D/2 + D/32]``."""
-    return e2m1_to_float(unpack_nibbles(rec[..., : d // 2])), e8m0_to_float(rec[..., d // 2 :])
+    return packed_e2m1_to_float(rec[..., : d // 2]), e8m0_to_float(rec[..., d // 2 :])
 
 
 def head_tree_sum(p: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ def indexer_scores_reference(q_codes, q_scale_bytes, w, index_pool, block_table,
     length = block_table.shape[1] * e if candidates is None else candidates[0].shape[1] * cand_block
     ids = entry_ids(b, length, n_visible, candidates, cand_block, q_codes.device)
     _check_addresses(ids, n_visible, block_table, n_phys, e)
-    q_vals = e2m1_to_float(unpack_nibbles(q_codes))
+    q_vals = packed_e2m1_to_float(q_codes)
     q_scales = e8m0_to_float(q_scale_bytes)
     w = w.float()
     scores = torch.full((b, length), float("-inf"), device=q_codes.device)
