@@ -55,12 +55,20 @@ def head_tree_sum(p: torch.Tensor) -> torch.Tensor:
     return p[..., 0]
 
 
-def score_records(q_vals, q_scales, w, k_rec, d: int) -> torch.Tensor:
-    """Scores ``[B, L]`` fp32 of key records ``k_rec [B, L, D/2 + D/32]`` for queries ``[B, IH, D]`` / ``[B, IH, D/32]``."""
+def score_keys(q_vals, q_scales, w, k_vals, k_scales, d: int) -> torch.Tensor:
+    """Scores ``[B, L]`` fp32 of keys ``k_vals [B, L, D]`` / ``k_scales [B, L, D/32]`` (``mxfp4_parts`` of their
+    records; ``[L, D]`` / ``[L, D/32]``: the same keys for every query) for queries ``[B, IH, D]`` / ``[B, IH, D/32]``.
+
+    Each 32-channel block's dot of unscaled e2m1 values is exact in fp32 whatever the summation order (products
+    are multiples of 1/4 up to 36, a block's sum below 2^11), so sharing the keys changes no bit."""
     b, ih, _ = q_vals.shape
     nb = d // BLOCK
-    k_vals, k_scales = mxfp4_parts(k_rec, d)
-    s = torch.einsum("bhnc,blnc->blhn", q_vals.view(b, ih, nb, BLOCK), k_vals.view(b, -1, nb, BLOCK))
+    q = q_vals.view(b, ih, nb, BLOCK)
+    if k_vals.dim() == 2:
+        s = torch.einsum("bhnc,lnc->blhn", q, k_vals.view(-1, nb, BLOCK))
+        k_scales = k_scales[None]
+    else:
+        s = torch.einsum("bhnc,blnc->blhn", q, k_vals.view(b, -1, nb, BLOCK))
     terms = s * k_scales[:, :, None, :] * q_scales[:, None, :, :]  # exact: power-of-two scalings
     dot = terms[..., 0]
     for n in range(1, nb):  # the fixed block order
@@ -114,11 +122,27 @@ def indexer_scores_reference(q_codes, q_scale_bytes, w, index_pool, block_table,
     q_scales = e8m0_to_float(q_scale_bytes)
     w = w.float()
     scores = torch.full((b, length), float("-inf"), device=q_codes.device)
+    table = block_table.long().clamp(0, n_phys - 1)
+    if candidates is None:
+        # plain: position t is entry t for every row, so rows with the same block table (a prefill chunk's rows
+        # are one sequence's) score one key matrix, decoded once, instead of a copy per row
+        tables, group = torch.unique(table, dim=0, return_inverse=True)
+        for g in range(tables.shape[0]):
+            rows = (group == g).nonzero().squeeze(1)
+            k_vals, k_scales = mxfp4_parts(index_pool[tables[g]].reshape(-1, index_pool.shape[-1])[:length], d)
+            for lo in range(0, length, _CHUNK):
+                scores[rows, lo : lo + _CHUNK] = score_keys(q_vals[rows], q_scales[rows], w[rows],
+                                                            k_vals[lo : lo + _CHUNK], k_scales[lo : lo + _CHUNK], d)
+        return scores.masked_fill(ids < 0, float("-inf")), ids
+    # candidates: each block the table names is decoded once (decoding the gathered [B, chunk] records decoded
+    # every key once per query row); decoding is elementwise: the same values
+    used, local = torch.unique(table, return_inverse=True)
+    pool_vals, pool_scales = mxfp4_parts(index_pool[used], d)  # [U, E, D], [U, E, D/32]
     for lo in range(0, length, _CHUNK):
         part = ids[:, lo : lo + _CHUNK].clamp(min=0)
-        blocks = torch.gather(block_table.long(), 1, part // e).clamp(0, n_phys - 1)
-        rec = index_pool[blocks, part % e]  # [B, chunk, D/2 + D/32]
-        scores[:, lo : lo + _CHUNK] = score_records(q_vals, q_scales, w, rec, d)
+        blocks, slots = torch.gather(local, 1, part // e), part % e
+        scores[:, lo : lo + _CHUNK] = score_keys(q_vals, q_scales, w, pool_vals[blocks, slots],
+                                                 pool_scales[blocks, slots], d)
     return scores.masked_fill(ids < 0, float("-inf")), ids
 
 
