@@ -48,7 +48,8 @@ from flashtier.engine.model.numerics import up
 class MarkovHead(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dspark_markov_rank, dtype=dtype)
+        shape = (cfg.vocab_size, cfg.dspark_markov_rank)  # no default init: see Transformer.__init__
+        self.embed = nn.Embedding(*shape, dtype=dtype, _weight=torch.empty(shape, dtype=dtype))
         self.head = nn.Linear(cfg.dspark_markov_rank, cfg.vocab_size, bias=False, dtype=dtype)
 
 

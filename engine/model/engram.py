@@ -72,9 +72,10 @@ def default_token_map(cfg: ModelConfig) -> torch.Tensor:
     """Fallback token -> compressed-class map (id mod compressed vocab) when no tokenizer is given.
 
     The real map normalises each token's text (server side); the engine only needs some map that is
-    fixed for a checkpoint.
+    fixed for a checkpoint. Built on the CPU whatever the default device: under the loader's meta device a
+    meta ``%`` imports torch's compiler stack (~2 s of a server start) for a buffer the loader replaces anyway.
     """
-    return torch.arange(cfg.vocab_size, dtype=torch.long) % cfg.engram_compressed_vocab
+    return torch.arange(cfg.vocab_size, dtype=torch.long, device="cpu") % cfg.engram_compressed_vocab
 
 
 class Engram(nn.Module):
@@ -85,7 +86,8 @@ class Engram(nn.Module):
         primes = engram_primes(cfg)[layer]
         flat = [p for heads in primes for p in heads]
         self.n_hashes = len(flat)
-        self.embed = nn.Embedding(sum(flat), hd, dtype=dtype)
+        shape = (sum(flat), hd)  # no default init: see Transformer.__init__
+        self.embed = nn.Embedding(*shape, dtype=dtype, _weight=torch.empty(shape, dtype=dtype))
         self.wkv = nn.Linear(self.n_hashes * hd, (cfg.hc_mult + 1) * d, bias=False, dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, d, dtype=torch.float32))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, d, dtype=torch.float32))
