@@ -24,8 +24,8 @@ class EngineConfig:
     resume_policy: str = "replay"  # "replay" (the model's design) | "exact-or-cold": never an approximate window
     # "batched": every op over all rows of a step (ring arena + kernels; on the CPU their plain-torch references);
     # "per-sequence": attention per sequence (the plain-torch path, the batched forward's oracle); "auto": batched
-    # on every device (on the CPU a batch of 32 decodes ~3x faster than per sequence, and the CPU tests run the
-    # GPU engine's program)
+    # on every device (on the CPU a batch of 32 decodes 4x the per-sequence forward's tokens/s, docs/engine.md, and
+    # the CPU tests run the GPU engine's program)
     forward: str = "auto"
     # speculative decoding with the model's DSpark drafter: at most this many drafts verified per step and
     # sequence (0 = off; at most the drafter's block size, 5); a draft is verified only while the confidence
@@ -61,6 +61,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.speculative_min_confidence must be in [0, 1), got "
                              f"{self.speculative_min_confidence}")
 
-    def batched_on(self, device_type: str) -> bool:
-        """Whether the engine runs the batched forward (on any device type: "auto" is batched everywhere now)."""
+    @property
+    def batched(self) -> bool:
+        """Whether the engine runs the batched forward ("auto" and "batched", on every device)."""
         return self.forward != "per-sequence"

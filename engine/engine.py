@@ -88,7 +88,7 @@ class Engine:
         if self.kv_config.num_blocks is None and self.kv_config.hbm_budget_bytes is None:
             available = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else DEFAULT_CPU_KV_BYTES
         num_blocks = self.kv_config.pool_blocks(self.layout.block_bytes, available)
-        batched = self.config.batched_on(dev.type)
+        batched = self.config.batched
         # two slots per running sequence: preempted and finishing sequences hold theirs until collected
         self.kvm = KVManager(spec, self.layout, num_blocks, enable_caching=self.kv_config.enable_prefix_caching,
                              ring_slots=2 * self.config.max_num_seqs if batched else 0)

@@ -97,49 +97,40 @@ def sparse_attention(
     quarters of the CPU engine's prefill time. The keys left out are masked for every query of the block, so
     the result is the same softmax (their exp is exactly 0). Not on CUDA: the span needs the mask on the host.
     """
-    t, k_loc = q.shape[0], local_kv.shape[0]
-    if t > QUERY_BLOCK and k_loc > 2 * QUERY_BLOCK and not q.is_cuda:
-        cols = torch.arange(k_loc, device=local_mask.device)
-        outs = []
-        for i0 in range(0, t, QUERY_BLOCK):
-            i1 = min(i0 + QUERY_BLOCK, t)
-            m_blk = local_mask[i0:i1]
-            hit = cols[m_blk.any(0)]
-            c0, c1 = (int(hit[0]), int(hit[-1]) + 1) if hit.numel() else (0, 0)
-            outs.append(_sparse_attention(
-                q[i0:i1], local_kv[c0:c1], m_blk[:, c0:c1], None if global_kv is None else global_kv[i0:i1],
-                None if global_mask is None else global_mask[i0:i1], sink, scale))
-        return torch.cat(outs)
-    return _sparse_attention(q, local_kv, local_mask, global_kv, global_mask, sink, scale)
+    sink = up(sink)
+    outs = []
+    for (i0, i1), (c0, c1) in _query_blocks(local_mask, q.is_cuda):
+        qb, kv_loc, kv_glob = up(q[i0:i1]), up(local_kv[c0:c1]), None if global_kv is None else up(global_kv[i0:i1])
+        s_loc = torch.einsum("thd,kd->thk", qb, kv_loc) * scale
+        parts = [s_loc.masked_fill(~local_mask[i0:i1, None, c0:c1], float("-inf"))]
+        if kv_glob is not None:
+            s_glob = torch.einsum("thd,tsd->ths", qb, kv_glob) * scale
+            parts.append(s_glob.masked_fill(~global_mask[i0:i1, None, :], float("-inf")))
+        s = torch.cat(parts, dim=-1)
+        sink_b = sink[None, :, None].expand(s.shape[0], -1, 1)
+        m = torch.maximum(s.amax(-1, keepdim=True), sink_b)
+        p = torch.exp(s - m)
+        denom = p.sum(-1, keepdim=True) + torch.exp(sink_b - m)
+        o = torch.einsum("thk,kd->thd", p[..., : c1 - c0], kv_loc)
+        if kv_glob is not None:
+            o = o + torch.einsum("ths,tsd->thd", p[..., c1 - c0 :], kv_glob)
+        outs.append(o / denom)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 QUERY_BLOCK = 64  # queries per block of a long CPU run (sparse_attention)
 
 
-def _sparse_attention(
-    q: torch.Tensor,
-    local_kv: torch.Tensor,
-    local_mask: torch.Tensor,
-    global_kv: torch.Tensor | None,
-    global_mask: torch.Tensor | None,
-    sink: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """``sparse_attention`` over all its queries at once (the dense [T, K] local scores)."""
-    q = up(q)
-    s_loc = torch.einsum("thd,kd->thk", q, up(local_kv)) * scale
-    s_loc = s_loc.masked_fill(~local_mask[:, None, :], float("-inf"))
-    parts = [s_loc]
-    if global_kv is not None:
-        s_glob = torch.einsum("thd,tsd->ths", q, up(global_kv)) * scale
-        parts.append(s_glob.masked_fill(~global_mask[:, None, :], float("-inf")))
-    s = torch.cat(parts, dim=-1)
-    sink_b = up(sink)[None, :, None].expand(s.shape[0], -1, 1)
-    m = torch.maximum(s.amax(-1, keepdim=True), sink_b)
-    p = torch.exp(s - m)
-    denom = p.sum(-1, keepdim=True) + torch.exp(sink_b - m)
-    k_loc = local_kv.shape[0]
-    o = torch.einsum("thk,kd->thd", p[..., :k_loc], up(local_kv))
-    if global_kv is not None:
-        o = o + torch.einsum("ths,tsd->thd", p[..., k_loc:], up(global_kv))
-    return o / denom
+def _query_blocks(local_mask: torch.Tensor, on_cuda: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(query rows [i0, i1), local key columns [c0, c1)) to attend in turn: every query against every key, or
+    on the CPU, for a long run, blocks of ``QUERY_BLOCK`` queries against the span their masks reach."""
+    t, k_loc = local_mask.shape
+    if t <= QUERY_BLOCK or k_loc <= 2 * QUERY_BLOCK or on_cuda:
+        return [((0, t), (0, k_loc))]
+    cols = torch.arange(k_loc, device=local_mask.device)
+    blocks = []
+    for i0 in range(0, t, QUERY_BLOCK):
+        i1 = min(i0 + QUERY_BLOCK, t)
+        hit = cols[local_mask[i0:i1].any(0)]
+        blocks.append(((i0, i1), (int(hit[0]), int(hit[-1]) + 1) if hit.numel() else (0, 0)))
+    return blocks

@@ -31,6 +31,7 @@ from torch import nn
 
 from flashtier.engine.model.block import Block
 from flashtier.engine.model.config import LayerRole, ModelConfig
+from flashtier.engine.model.embedding import embedding
 from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.mhc import hc_pre, identity_pre
 
@@ -48,8 +49,7 @@ from flashtier.engine.model.numerics import up
 class MarkovHead(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        shape = (cfg.vocab_size, cfg.dspark_markov_rank)  # no default init: see Transformer.__init__
-        self.embed = nn.Embedding(*shape, dtype=dtype, _weight=torch.empty(shape, dtype=dtype))
+        self.embed = embedding(cfg.vocab_size, cfg.dspark_markov_rank, dtype)
         self.head = nn.Linear(cfg.dspark_markov_rank, cfg.vocab_size, bias=False, dtype=dtype)
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from flashtier.engine.model.config import ModelConfig
+from flashtier.engine.model.embedding import embedding
 from flashtier.engine.model.fp8_linear import linear
 from flashtier.engine.model.numerics import up
 from flashtier.kernels.row_reduce.op import mean_square, row_sum
@@ -86,8 +87,7 @@ class Engram(nn.Module):
         primes = engram_primes(cfg)[layer]
         flat = [p for heads in primes for p in heads]
         self.n_hashes = len(flat)
-        shape = (sum(flat), hd)  # no default init: see Transformer.__init__
-        self.embed = nn.Embedding(*shape, dtype=dtype, _weight=torch.empty(shape, dtype=dtype))
+        self.embed = embedding(sum(flat), hd, dtype)
         self.wkv = nn.Linear(self.n_hashes * hd, (cfg.hc_mult + 1) * d, bias=False, dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, d, dtype=torch.float32))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, d, dtype=torch.float32))

@@ -13,6 +13,7 @@ from torch import nn
 from flashtier.engine.model.block import Block
 from flashtier.engine.model.config import ModelConfig
 from flashtier.engine.model.dspark import DSparkStage
+from flashtier.engine.model.embedding import embedding
 from flashtier.engine.model.engram import default_token_map
 from flashtier.engine.model.mhc import hc_pre
 from flashtier.engine.model.norm import RMSNorm
@@ -24,10 +25,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.roles = cfg.layer_roles()
-        # every weight comes from a checkpoint or init_random_, so the embeddings skip nn.Embedding's normal_ init:
-        # on the meta device (the loader's skeleton) its first call imports torch's decompositions, ~2 s of a start
-        shape = (cfg.vocab_size, cfg.hidden_size)
-        self.embed = nn.Embedding(*shape, dtype=dtype, _weight=torch.empty(shape, dtype=dtype))
+        self.embed = embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(Block(cfg, role, dtype) for role in self.roles)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)

@@ -500,7 +500,7 @@ def build_plan(inputs: PlanInputs) -> MemoryPlan:
     layout = BlockLayout(kv_geometry(cfg), kv.block_size)
     tokens = engine.max_num_batched_tokens
     out_rows = min(tokens, engine.max_num_seqs * (1 + engine.speculative_tokens))
-    batched = engine.batched_on(res.device_type)
+    batched = engine.batched
     engram_layers = len(cfg.engram_layer_ids) if res.host_engram else 0
     staging_rows = _engram_rows(cfg, tokens)
     row_bytes = cfg.engram_head_dim + -(-cfg.engram_head_dim // 32)

@@ -129,20 +129,20 @@ def indexer_scores_reference(q_codes, q_scale_bytes, w, index_pool, block_table,
         tables, group = torch.unique(table, dim=0, return_inverse=True)
         for g in range(tables.shape[0]):
             rows = (group == g).nonzero().squeeze(1)
-            k_vals, k_scales = mxfp4_parts(index_pool[tables[g]].reshape(-1, index_pool.shape[-1])[:length], d)
+            k_vals, k_scales = mxfp4_parts(index_pool[tables[g]].flatten(0, 1), d)  # [length, D], [length, D/32]
             for lo in range(0, length, _CHUNK):
                 scores[rows, lo : lo + _CHUNK] = score_keys(q_vals[rows], q_scales[rows], w[rows],
                                                             k_vals[lo : lo + _CHUNK], k_scales[lo : lo + _CHUNK], d)
-        return scores.masked_fill(ids < 0, float("-inf")), ids
-    # candidates: each block the table names is decoded once (decoding the gathered [B, chunk] records decoded
-    # every key once per query row); decoding is elementwise: the same values
-    used, local = torch.unique(table, return_inverse=True)
-    pool_vals, pool_scales = mxfp4_parts(index_pool[used], d)  # [U, E, D], [U, E, D/32]
-    for lo in range(0, length, _CHUNK):
-        part = ids[:, lo : lo + _CHUNK].clamp(min=0)
-        blocks, slots = torch.gather(local, 1, part // e), part % e
-        scores[:, lo : lo + _CHUNK] = score_keys(q_vals, q_scales, w, pool_vals[blocks, slots],
-                                                 pool_scales[blocks, slots], d)
+    else:
+        # candidates: each block the table names is decoded once (decoding the gathered [B, chunk] records
+        # decoded every key once per query row); decoding is elementwise: the same values
+        used, local = torch.unique(table, return_inverse=True)
+        pool_vals, pool_scales = mxfp4_parts(index_pool[used], d)  # [U, E, D], [U, E, D/32]
+        for lo in range(0, length, _CHUNK):
+            part = ids[:, lo : lo + _CHUNK].clamp(min=0)
+            blocks, slots = torch.gather(local, 1, part // e), part % e
+            scores[:, lo : lo + _CHUNK] = score_keys(q_vals, q_scales, w, pool_vals[blocks, slots],
+                                                     pool_scales[blocks, slots], d)
     return scores.masked_fill(ids < 0, float("-inf")), ids
 
 

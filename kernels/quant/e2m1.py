@@ -61,13 +61,6 @@ def e2m1_codes(q: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     return index | (negative.to(torch.uint8) << 3)
 
 
-def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 value of each e2m1 code (uint8 in [0, 15]); code 8 decodes to -0.0."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    magnitude = table[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -magnitude, magnitude)
-
-
 _BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -82,9 +75,9 @@ def _byte_table(device: torch.device) -> torch.Tensor:
 
 
 def packed_e2m1_to_float(packed: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[..., 2 * D]`` values of packed uint8 ``[..., D]`` (even element in the low nibble): the same values
-    as ``e2m1_to_float(unpack_nibbles(packed))``, from one lookup per byte in a 256-entry table (the CPU engine
-    decodes every FP4 entry it reads; the table is ~6x faster than unpacking and decoding nibble by nibble)."""
+    """fp32 ``[..., 2 * D]`` values of packed uint8 ``[..., D]`` (even element in the low nibble; code 8 is -0.0),
+    one lookup per byte in a 256-entry table (the CPU engine decodes every FP4 entry it reads; the table is ~6x
+    faster than splitting the nibbles and decoding each code)."""
     flat = _byte_table(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
     return flat.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
@@ -92,11 +85,6 @@ def packed_e2m1_to_float(packed: torch.Tensor) -> torch.Tensor:
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., D]`` codes -> ``[..., D // 2]`` bytes, even index in the low nibble."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[..., D // 2]`` bytes -> ``[..., D]`` codes (inverse of :func:`pack_nibbles`)."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
 def reference_quantize_e2m1(
