@@ -33,8 +33,9 @@ from flashtier.kernels.quant.fp8_weight import as_raw_bytes, quantize_fp8_weight
 from flashtier.kernels.moe.align import moe_align
 from flashtier.kernels.moe.grouped_gemm import moe_grouped_ffn
 from flashtier.kernels.moe.grouped_gemm_reference import (
-    act_qdq, combine_reference, dense_fp8_expert, dense_mxfp4_expert, expert_ffn_reference,
+    act_qdq, combine_reference, dense_fp8_expert, dense_mxfp4_expert, expert_ffn_reference, moe_ffn_reference,
 )
+from flashtier.kernels.moe import grouped_gemm_reference
 from flashtier.kernels.moe.route import moe_route
 from flashtier.kernels.moe.weights import FP8Expert, MXFP4Experts
 from flashtier.kernels.quant.mxfp4 import quantize_mxfp4
@@ -265,6 +266,34 @@ def test_float64_subset_is_the_per_expert_sum_bit_for_bit(subset_case):
     rest, rest_ids = stack(c["routed"], [e for e in range(8) if e not in SUBSETS["some-ragged"]])
     y = out + moe_grouped_ffn(x, idx, w, rest, None, LIMIT, expert_ids=rest_ids)
     assert float(row_errors(full, y).max()) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_one_activation_rounding_per_layer_is_one_per_expert_bit_for_bit(subset_case, dtype, with_shared, monkeypatch):
+    """moe_ffn_reference rounds the weighted activations of all experts (and the shared one) in one FP8 call;
+    that is each expert's own expert_ffn_reference, bit for bit (fp32 and float64), with or without the shared
+    expert. A rounding whose blocks straddle two rows (the stack flattened) is caught."""
+    c = subset_case
+    x, idx, w = c["x"].to(dtype), c["idx"], c["w"].to(dtype)
+    dense = {e: tuple(t.to(dtype) for t in dense_mxfp4_expert(c["routed"], e)) for e in range(8)}
+    shared = tuple(t.to(dtype) for t in dense_fp8_expert(c["shared"])) if with_shared else None
+    got = moe_ffn_reference(x, idx, w, dense.__getitem__, shared, LIMIT)
+    xq = act_qdq(x)
+    loop = torch.zeros_like(xq)
+    for e in sorted(set(idx.flatten().tolist())):
+        rows, slot = torch.nonzero(idx == e, as_tuple=True)
+        loop.index_add_(0, rows, expert_ffn_reference(xq[rows], dense[e], w[rows, slot], LIMIT))
+    if shared is not None:
+        loop = loop + expert_ffn_reference(xq, shared, None, LIMIT)
+    assert got.dtype == dtype and torch.equal(got, loop)
+    # broken: one rounding whose 32-element blocks straddle two stacked rows (the stack flattened, shifted by 16)
+    def straddling_qdq(t):
+        flat = torch.roll(t.flatten(), 16)
+        return torch.roll(act_qdq(flat.reshape(-1, 32)).flatten(), -16).reshape(t.shape)
+
+    monkeypatch.setattr(grouped_gemm_reference, "act_qdq", straddling_qdq)
+    assert not torch.equal(moe_ffn_reference(x, idx, w, dense.__getitem__, shared, LIMIT), loop)
 
 
 @pytest.mark.gpu
