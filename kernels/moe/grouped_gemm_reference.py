@@ -85,30 +85,37 @@ def moe_ffn_reference(
     id is a pair routed to an expert held elsewhere (expert parallelism): it contributes nothing. The loop
     reads the chosen experts back to the host: this is the spec, not a device path.
 
-    Each expert is :func:`expert_ffn_reference`, except that the activations of all of them go through one
-    FP8 round trip: the rounding works on each row's 32-element blocks alone, so one call over the stacked
-    rows gives every row the bits its own call would (and the CPU engine pays that call's ~20 small ops
-    once per layer instead of once per expert).
+    Each pair is :func:`expert_ffn_reference` of its expert, summed into its token's row in ascending expert
+    id. Only the GEMMs run per expert: the pairs are gathered in (expert, token) order once, and the SwiGLU,
+    the routing weight and the FP8 rounding run once over all of them (elementwise, or on each row's own
+    32-element blocks, so every pair gets the bits its own call would), as does the scatter-add (in pair
+    order: each token's experts still add in ascending id). The CPU engine pays its ~20 small ops per layer,
+    not per expert.
     """
     xq = act_qdq(_up(x))
     y = torch.zeros_like(xq)
-    groups, acts = [], []
-    for e in torch.unique(idx).tolist():  # ascending: the combine order of the device path
-        if e < 0:
-            continue
-        rows, slot = torch.nonzero(idx == e, as_tuple=True)
-        w = expert_weights(e)
-        groups.append((rows, w))
-        acts.append(gated_act(xq[rows], w, route_w[rows, slot], limit))
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)  # (expert, token) order; a token holds an expert at most once
+    order = order[flat[order] >= 0]
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    rows, slots = order // idx.shape[1], order % idx.shape[1]
+    weights = [expert_weights(e) for e in experts.tolist()]
+    inputs = list(xq[rows].split(counts.tolist()))
     if shared is not None:
-        acts.append(gated_act(xq, shared, None, limit))
-    if not acts:
+        weights.append(shared)
+        inputs.append(xq)
+    if not weights:
         return y
-    act_q = act_qdq(torch.cat(acts)).split([a.shape[0] for a in acts])
-    for (rows, w), a_q in zip(groups, act_q):
-        y.index_add_(0, rows, down_proj(a_q, w))
+    a = torch.cat([_up(F.linear(xe.to(w[0].dtype), w[0])) for xe, w in zip(inputs, weights)])
+    b = torch.cat([_up(F.linear(xe.to(w[1].dtype), w[1])) for xe, w in zip(inputs, weights)])
+    act = F.silu(a.clamp(max=limit)) * b.clamp(-limit, limit)
+    n_pairs = rows.numel()
+    act = torch.cat((route_w[rows, slots][:, None].to(act.dtype) * act[:n_pairs], act[n_pairs:]))
+    outs = [down_proj(a_q, w) for a_q, w in zip(act_qdq(act).split([t.shape[0] for t in inputs]), weights)]
+    if n_pairs:
+        y.index_add_(0, rows, torch.cat(outs[: len(experts)]))
     if shared is not None:
-        y = y + down_proj(act_q[-1], shared)
+        y = y + outs[-1]
     return y
 
 
