@@ -56,9 +56,21 @@ def e4m3_bytes(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+_E4M3_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def e4m3_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 value of each raw e4m3fn byte."""
-    return codes.view(torch.float8_e4m3fn).to(torch.float32)
+    """fp32 value of each raw e4m3fn byte (uint8 or float8_e4m3fn ``codes``, any shape).
+
+    A lookup in a 256-entry table built once per device by torch's own e4m3 -> fp32 cast, so the bits are the
+    cast's (NaN codes included; tests/kernels/test_quant_fp8.py checks every byte): on the CPU the cast runs
+    element by element and took ~6x the lookup on the window keys the CPU engine decodes in every layer.
+    """
+    table = _E4M3_TABLES.get(codes.device)
+    if table is None:
+        table = torch.arange(256, dtype=torch.uint8, device=codes.device).view(torch.float8_e4m3fn).float()
+        _E4M3_TABLES[codes.device] = table
+    return table.index_select(0, codes.view(torch.uint8).reshape(-1).to(torch.int32)).view(codes.shape)
 
 
 @triton.jit

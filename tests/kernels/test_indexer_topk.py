@@ -310,3 +310,37 @@ def test_kernel_matches_reference_real_gpu(b, config):
     assert_same(*both(case, config=config, k=K, candidates=cand), f"reindex B={b}")
     ties = make_case(b, REAL[b], device="cuda", seed=b, distinct=2, n_phys=b * 1100 + 64)
     assert_same(*both(ties, config=config, k=K), f"ties B={b}")
+
+
+@pytest.mark.parametrize("path", ["kth-value", "sort"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_select_topk_reference_is_the_stable_sort_selection(dtype, path, monkeypatch):
+    """Both paths of the reference, the sort-free one (k-th value, then ties in position order) and the sort,
+    pick what the engine's stable descending sort picks, on rows full of ties and -inf (the engine's
+    ``select_topk`` is the oracle), counts included; rows with a NaN take the sort. A selection that breaks
+    ties to the higher position is caught."""
+    from flashtier.kernels.indexer_topk import reference
+    from flashtier.kernels.indexer_topk.reference import select_topk_reference
+
+    monkeypatch.setattr(reference, "SORT_BELOW", 0 if path == "kth-value" else 1 << 30)
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(400):
+        b, length, k = 1 + trial % 5, 1 + (trial * 13) % 97, 1 + trial % 19
+        scores = torch.randint(-2, 3, (b, length), generator=g).to(dtype)  # ties everywhere
+        if trial % 3 == 0:
+            scores = torch.randn(b, length, generator=g, dtype=dtype)
+        scores[torch.rand(b, length, generator=g) < (trial % 4) / 4] = float("-inf")
+        if trial % 29 == 0:
+            scores[0, length // 2] = float("nan")
+        pos, counts = select_topk_reference(scores, k)
+        finite = scores > float("-inf")  # NaN compares false: never selected, as the sort's gather of `valid` says
+        want = select_topk(scores.masked_fill(~finite, float("-inf")), torch.full((b,), length), k, finite)
+        if trial % 29 != 0:  # with a NaN the engine's masked sort and the reference's sort place NaN differently
+            assert torch.equal(pos[:, : want.shape[1]], want), (trial, scores)
+            assert torch.equal(counts, (want >= 0).sum(1))
+        assert bool((pos[:, min(k, length):] == -1).all())
+    ties = torch.tensor([[1.0, 5.0, 1.0, 1.0, 0.0]])
+    assert select_topk_reference(ties, 3)[0].tolist() == [[0, 1, 2]]
+    flipped = select_topk_reference(ties.flip(1), 3)[0]  # ties to the higher position: [1, 2, 3] in the original
+    assert sorted(4 - int(i) for i in flipped[0]) != [0, 1, 2]

@@ -196,3 +196,28 @@ def test_ceil_pow2_byte_equals_the_exponent_rule_on_every_exponent_and_edge():
     s = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
     assert torch.equal(ceil_pow2_byte(s), ceil_pow2_exponent(s).to(torch.uint8))
     assert not torch.equal(ceil_pow2_byte(s * 1.5), ceil_pow2_exponent(s).to(torch.uint8))  # the check can fail
+
+
+def test_e4m3_to_float_decodes_every_byte_as_the_format_says():
+    """The table decoder against the e4m3fn definition, byte by byte (sign, exponent bias 7, subnormals m * 2^-9,
+    0x7F / 0xFF NaN), and against torch's own cast bit for bit; uint8 or float8 input, any shape and strides."""
+    from flashtier.kernels.quant.fp8_bits import e4m3_to_float
+
+    def by_definition(b: int) -> float:
+        sign, e, m = -1.0 if b & 0x80 else 1.0, (b >> 3) & 0xF, b & 7
+        if e == 15 and m == 7:
+            return float("nan")
+        return sign * (m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    got = e4m3_to_float(codes)
+    want = torch.tensor([by_definition(b) for b in range(256)], dtype=torch.float32)
+    assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) == 2
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert torch.equal(got.signbit()[~want.isnan()], want.signbit()[~want.isnan()])  # 0x80 is -0.0
+    cast = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(got.view(torch.int32), cast.view(torch.int32))
+    grid = codes.reshape(16, 16).t()  # non-contiguous, float8 view
+    want_grid = cast.reshape(16, 16).t().view(torch.int32)
+    assert torch.equal(e4m3_to_float(grid.view(torch.float8_e4m3fn)).view(torch.int32), want_grid)
+    assert not torch.equal(torch.nan_to_num(e4m3_to_float(codes ^ 1)), torch.nan_to_num(want))  # the check can fail
