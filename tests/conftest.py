@@ -46,28 +46,34 @@ torch.set_num_threads(1)
 
 SLOW_GROUP = "slow"
 
-# The files that keep a worker busy longest: seconds of their tests (slow ones excluded) in a `make test` run on
-# 2 idle cores (pytest --junitxml), less the cuts made since. A file not listed is queued after these in collection
-# order. Only the order of the queue depends on these numbers, never a result: xdist's default queues the files
-# with the most tests first, which puts these (few tests, long ones) last, where one of them keeps a worker busy
-# while the other idles.
+# The files that keep a worker busy longest: seconds of their tests (slow ones excluded) in the parallel pass of
+# `make test` (3 workers on 2 cores, pytest --junitxml), re-measured after the CPU engine's reference cuts. A file not
+# listed is queued after these in collection order. Only the order of the queue depends on these numbers, never a
+# result: xdist's default queues the files with the most tests first, which puts these (few tests, long ones) last,
+# where one of them keeps a worker busy while the other idles.
 HEAVY_FILES = {
-    "tests/engine/test_engine.py": 312,
-    "tests/server/test_api_tiers.py": 183,  # 262 less 30 %: 4 server starts instead of 7 (CPU measured alone)
-    "tests/kernels/test_indexer_topk.py": 165,
-    "tests/engine/test_speculative.py": 106,
-    "tests/engine/test_oracle.py": 104,
-    "tests/engine/test_exact_retry.py": 70,  # measured alone on 2 idle cores, like the ones added below
-    "tests/engine/test_tiers.py": 98,
-    "tests/engine/test_parallel_forward.py": 97,
-    "tests/kernels/test_sparse_mqa.py": 84,
-    "tests/server/test_parallel_serve.py": 72,
-    "tests/engine/test_parallel_executor.py": 57,
-    "tests/engine/test_decode_graphs.py": 53,
-    "tests/engine/test_structured_output.py": 38,
-    "tests/kernels/test_moe_split_k.py": 34,
-    "tests/engine/test_batched_forward.py": 32,
-    "tests/engine/test_tenant_delete_engine.py": 15,
+    "tests/engine/test_speculative.py": 163,
+    "tests/engine/test_engine.py": 143,
+    "tests/server/test_api_tiers.py": 119,
+    "tests/kernels/test_indexer_topk.py": 107,
+    "tests/engine/test_tiers.py": 104,
+    "tests/engine/test_exact_retry.py": 102,
+    "tests/engine/test_oracle.py": 88,
+    "tests/kernels/test_sparse_mqa.py": 83,
+    "tests/engine/test_parallel_forward.py": 78,
+    "tests/engine/test_memory_plan.py": 57,
+    "tests/server/test_parallel_serve.py": 56,
+    "tests/engine/test_parallel_executor.py": 37,
+    "tests/engine/test_warmup.py": 36,
+    "tests/kernels/test_moe_split_k.py": 35,
+    "tests/engine/test_engine_core.py": 35,
+    "tests/benchmarks/test_serve_load.py": 34,
+    "tests/kernels/test_moe_grouped_gemm.py": 33,
+    "tests/engine/test_decode_graphs.py": 32,
+    "tests/kernels/test_fp8_gemm_fused.py": 28,
+    "tests/engine/test_tenant_delete_engine.py": 27,
+    "tests/engine/test_structured_output.py": 24,
+    "tests/engine/test_batched_forward.py": 23,
     "tests/server/test_admin_tenant_delete.py": 3,  # its server test is `slow` (the slow group)
 }
 
