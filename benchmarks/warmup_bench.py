@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--graph-sizes", help="the captured (and warmed) decode sizes, as serve's --cuda-graph-sizes "
                     "(default: every capture size up to the largest batch)")
     ap.add_argument("--json")
+    ap.add_argument("--kept-cache", help="the Triton cache the warm and restart processes share (default: a "
+                    "temporary folder); name serve's CACHE_DIR/triton to start a server from it afterwards")
     ap.add_argument("--profile-first", action="store_true",
                     help="profile the first batch of each size (stderr): where a first request's time goes")
     ap.add_argument("--mode", choices=["cold", "warm", "restart"], help=argparse.SUPPRESS)
@@ -154,7 +156,8 @@ def main() -> None:
     import torch
 
     results = []
-    with tempfile.TemporaryDirectory() as cold_cache, tempfile.TemporaryDirectory() as kept_cache:
+    kept = contextlib.nullcontext(args.kept_cache) if args.kept_cache else tempfile.TemporaryDirectory()
+    with tempfile.TemporaryDirectory() as cold_cache, kept as kept_cache:
         for mode, cache in (("cold", cold_cache), ("warm", kept_cache), ("restart", kept_cache)):
             if mode not in args.modes.split(","):
                 continue
