@@ -71,7 +71,7 @@ from flashtier.kvstore.config import KVStoreConfig
 from flashtier.kvstore.ssd.tenant_delete import TenantDeletion
 from flashtier.kvstore.tenant import tenant_tag
 
-__all__ = ["RankLoop", "RankSpec", "Sender", "engine_info", "rank_main"]
+__all__ = ["RankLoop", "RankSpec", "Sender", "bind_cuda_device", "engine_info", "rank_main"]
 
 log = logging.getLogger("flashtier.engine.parallel")
 
@@ -123,19 +123,24 @@ class Sender:
             self._conn.send_bytes(payload)
 
 
+def bind_cuda_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device. Plain ``cuda`` (one rank's ``--device cuda``) means the
+    current device, already bound: ``torch.cuda.set_device`` refuses a device without an index. Mutates the
+    process's current CUDA device; raises what torch raises for an index it does not have."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def _start(rank: int, spec: RankSpec, sender: Sender) -> tuple[Engine, float | None]:
     """Build the rank's engine (collective with several ranks) and warm it up. Returns it and the warm-up time."""
     world = spec.parallel.world_size
     token_map = None if spec.token_map is None else torch.tensor(spec.token_map, dtype=torch.int64)
     if world == 1:  # the engine core is the only worker: the single-process build, tiers included
-        device = torch.device(spec.engine.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        bind_cuda_device(torch.device(spec.engine.device))
         engine = build_engine(spec.engine, spec.kv, token_map, tiers=spec.tiers)
     else:
         device = rank_device(spec.engine.device, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        bind_cuda_device(device)
         groups = init_distributed(spec.parallel, rank, device=device, init_method=f"tcp://127.0.0.1:{spec.port}",
                                   timeout_s=spec.pg_timeout_s)
         engine = build_rank_engine(spec.engine, spec.kv, groups, device, token_map)

@@ -18,9 +18,12 @@ import triton
 import triton.language as tl
 
 CHUNK = 256
+# the pair and block counts follow the batch: unspecialised, so no batch size compiles a variant the warm-up
+# did not (a first batch of 8 prompts of 64 tokens compiled one after a warm-up; engine/warmup.py)
+BATCH_COUNTS = ("n_pairs", "max_blocks")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_COUNTS)
 def _moe_align_kernel(
     p_idx, p_sorted, p_block_expert, p_first, n_pairs, n_exp, max_blocks,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CH: tl.constexpr,

@@ -156,7 +156,13 @@ def _quantize_fp8_weight_kernel(
     tl.store(p_s + o_b * n_kb + i_kb, b_exp.to(tl.uint8), mask=m_b)
 
 
-@triton.jit
+# The row counts follow the batch where an Engram gather decodes its rows (T tokens x H heads, block 1 x 32):
+# left unspecialised, and the blocks per program fixed by the block shape alone, so no batch compiles a variant
+# the warm-up did not (see engine/warmup.py).
+DEQUANT_COUNTS = ("n", "n_nb")
+
+
+@triton.jit(do_not_specialize=DEQUANT_COUNTS)
 def _dequantize_fp8_weight_kernel(
     p_q, p_s, p_out, n, k, n_nb, n_kb, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, OUT_BF16: tl.constexpr
 ):
@@ -166,10 +172,11 @@ def _dequantize_fp8_weight_kernel(
     tl.store(p_out + o_r * k + o_c, _fp8_values(b_code, b_exp[:, None, None], OUT_BF16), mask=m)
 
 
-def _tile_groups(n_nb: int, bn: int, bk: int) -> int:
-    """Blocks per program: enough small blocks for about _TILE_ELEMS elements, no more than there are."""
-    g = max(1, _TILE_ELEMS // (bn * bk))
-    return min(g, triton.next_power_of_2(n_nb))
+def _tile_groups(bn: int, bk: int) -> int:
+    """Blocks per program: enough small blocks for about _TILE_ELEMS elements. A constexpr of the block shape
+    only (not clamped to the block rows there are): a clamp would compile one variant per power of two of a
+    batch-sized gather; a program past the last block row is masked."""
+    return max(1, _TILE_ELEMS // (bn * bk))
 
 
 def _triton_quantize_fp8_weight(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +185,7 @@ def _triton_quantize_fp8_weight(w: torch.Tensor, bn: int, bk: int) -> tuple[torc
     codes = torch.empty((n, k), dtype=torch.uint8, device=w.device)
     scales = torch.empty((n_nb, n_kb), dtype=torch.uint8, device=w.device)
     if n and k:
-        g = _tile_groups(n_nb, bn, bk)
+        g = _tile_groups(bn, bk)
         grid = (triton.cdiv(n_nb, g) * n_kb,)
         _quantize_fp8_weight_kernel[grid](
             w, codes, scales, n, k, w.stride(0), w.stride(1), n_nb, n_kb, BN=bn, BK=bk, G=g
@@ -194,7 +201,7 @@ def _triton_dequantize_fp8_weight(
     n_nb, n_kb = scales.shape
     out = torch.empty((n, k), dtype=dtype, device=codes.device)
     if n and k:
-        g = _tile_groups(n_nb, bn, bk)
+        g = _tile_groups(bn, bk)
         grid = (triton.cdiv(n_nb, g) * n_kb,)
         _dequantize_fp8_weight_kernel[grid](
             codes, scales, out, n, k, n_nb, n_kb, BN=bn, BK=bk, G=g, OUT_BF16=dtype == torch.bfloat16

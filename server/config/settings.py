@@ -47,10 +47,12 @@ __all__ = ["ENV_PREFIX", "OPTIONS", "ServerSettings", "add_serve_arguments", "bu
            "default_cache_dir"]
 
 DEMO_PRESET = "tiny"
-def default_kv_dir(cache_dir: str, model_dir: str | None) -> str:
-    """Where ``serve`` keeps the SSD tier without --kv-dir: CACHE_DIR/kv/<the model directory's name> (the demo:
-    CACHE_DIR/kv/demo-tiny). The ``kv`` tools default to the same directory."""
-    label = Path(model_dir).resolve().name if model_dir else "demo-tiny"
+
+
+def default_kv_dir(cache_dir: str, model_dir: str | None, preset: str | None = None) -> str:
+    """Where ``serve`` keeps the SSD tier without --kv-dir: CACHE_DIR/kv/<the model directory's name> (a demo:
+    CACHE_DIR/kv/demo-<preset>, so two presets never share one). The ``kv`` tools default to the same directory."""
+    label = Path(model_dir).resolve().name if model_dir else f"demo-{preset or DEMO_PRESET}"
     return os.path.join(cache_dir, "kv", label)
 
 
@@ -280,7 +282,7 @@ def build_settings(argv_namespace: argparse.Namespace | None, environ: Mapping[s
     kv_dir = values.pop("kv_dir")
     if values.pop("kv_persist"):
         if kv_dir is None:
-            kv_dir = default_kv_dir(cache_dir, values["model_dir"])
+            kv_dir = default_kv_dir(cache_dir, values["model_dir"], values["preset"])
     else:
         kv_dir = None
     values.pop("data_parallel_size")  # vLLM's flags: the parser accepts only 1, and the other has no effect

@@ -70,12 +70,13 @@ def _setting(args: argparse.Namespace, dest: str, environ: Mapping[str, str]) ->
 
 def _kv_dir(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """--kv-dir, else its variable, else the directory ``serve`` uses by default (CACHE_DIR/kv/MODEL, with
-    --cache-dir / FLASHTIER_CACHE_DIR and FLASHTIER_MODEL_DIR as serve reads them). ValueError naming the flag
+    --cache-dir / FLASHTIER_CACHE_DIR, FLASHTIER_MODEL_DIR and FLASHTIER_PRESET as serve reads them). ValueError naming the flag
     when that default does not exist."""
     kv_dir = _setting(args, "kv_dir", environ)
     if not kv_dir:
         cache_dir = _setting(args, "cache_dir", environ) or default_cache_dir(environ)
-        kv_dir = default_kv_dir(cache_dir, environ.get(ENV_PREFIX + "MODEL_DIR") or None)
+        kv_dir = default_kv_dir(cache_dir, environ.get(ENV_PREFIX + "MODEL_DIR") or None,
+                                environ.get(ENV_PREFIX + "PRESET") or None)
         if not os.path.isdir(kv_dir):
             raise ValueError(f"--kv-dir: no SSD tier at {kv_dir}, the directory `flashtier serve` uses by default; "
                              f"pass --kv-dir DIR (or set {_option('kv_dir').env}) for another one")

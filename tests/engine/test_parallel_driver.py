@@ -125,3 +125,17 @@ def test_a_grammar_crosses_the_pipe_and_allows_the_same_tokens():
     assert _allowed(got[0].constraint, [0, 1]) == [3]  # the check can fail: it reads the real mask
     with pytest.raises(ValueError, match="never sent"):
         ParamsDecoder().decode(wires[1])  # a decoder that missed the first constraint
+
+
+@pytest.mark.parametrize("name, bound", [("cuda", None), ("cuda:1", 1), ("cpu", None)])
+def test_the_engine_core_binds_only_an_indexed_cuda_device(monkeypatch, name, bound):
+    """One rank's ``--device cuda`` has no index: torch.cuda.set_device refuses it (the engine core failed to start
+    on every GPU before this), so it binds nothing; ``cuda:N`` binds N. The stand-in validates as torch does."""
+    from torch._utils import _get_device_index
+
+    from flashtier.engine.parallel.rank_worker import bind_cuda_device
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(_get_device_index(d)))
+    bind_cuda_device(torch.device(name))
+    assert calls == ([] if bound is None else [bound])

@@ -13,10 +13,13 @@ import pytest
 from flashtier.kernels.fp8_gemm import kernel as fp8
 from flashtier.kernels.indexer_topk import kernel as indexer
 from flashtier.kernels.invariant_linear import kernel as linear
+from flashtier.kernels.moe import align_kernel as align
 from flashtier.kernels.moe import grouped_gemm_kernel as moe
 from flashtier.kernels.moe import splitk_reduce_kernel as splitk
+from flashtier.kernels.quant import fp8_weight
 
 KERNELS = {
+    "moe_align": (align._moe_align_kernel, align.BATCH_COUNTS),
     "moe_gemm": (moe._moe_gemm_kernel, moe.BATCH_COUNTS),
     "moe_splitk_reduce": (splitk._moe_splitk_reduce_kernel, splitk.BATCH_COUNTS),
     "fp8_gemm": (fp8._fp8_gemm_kernel, fp8.BATCH_COUNTS),
@@ -25,6 +28,7 @@ KERNELS = {
     "indexer_score": (indexer._score_kernel, indexer.SCORE_COUNTS),
     "indexer_count": (indexer._count_kernel, indexer.COUNT_COUNTS),
     "indexer_write": (indexer._write_kernel, indexer.WRITE_COUNTS),
+    "fp8_weight_dequantize": (fp8_weight._dequantize_fp8_weight_kernel, fp8_weight.DEQUANT_COUNTS),  # Engram rows
 }
 
 

@@ -32,6 +32,9 @@ def test_defaults_are_the_demo():
     assert s.cache_dir == "/xdg/flashtier" and s.kvstore.ssd_dir == "/xdg/flashtier/kv/demo-tiny"
     assert s.kvstore.ssd_lifetime_s == 72 * 3600 and s.kvstore.snapshot_ttl_s == 300
     assert build_settings(_ns("--no-kv-persist"), {}).kvstore.ssd_dir is None
+    # each demo preset its own SSD tier: a flash-16e server never reads or evicts the tiny demo's KV
+    s16 = build_settings(_ns("--preset", "flash-16e"), {"XDG_CACHE_HOME": "/xdg"})
+    assert s16.kvstore.ssd_dir == "/xdg/flashtier/kv/demo-flash-16e"
 
 
 def test_tier_flags_parse_sizes_and_durations(tmp_path):
