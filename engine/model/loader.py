@@ -12,7 +12,7 @@ from flashtier.engine.model.checkpoint import CheckpointReader, write_checkpoint
 from flashtier.engine.model.config import ModelConfig, from_hf_dict, preset
 from flashtier.engine.model.dspark import dspark_skip
 from flashtier.engine.model.engram import default_token_map
-from flashtier.engine.model.init import random_model
+from flashtier.engine.model.init import random_model, to_empty
 from flashtier.engine.model.transformer import Transformer, weight_formats
 
 log = logging.getLogger("flashtier.engine.model")
@@ -54,7 +54,7 @@ def load_model(
     model_dir = Path(model_dir)
     model = meta_model(model_dir, dtype, with_dspark)
     cfg = model.cfg
-    model = model.to_empty(device=device)
+    model = to_empty(model, device)
     model.token_map = default_token_map(cfg).to(device)  # the meta buffer has no values
     params = dict(model.named_parameters())
     expected = {k: tuple(v.shape) for k, v in params.items()}
