@@ -70,8 +70,8 @@ def _setting(args: argparse.Namespace, dest: str, environ: Mapping[str, str]) ->
 
 def _kv_dir(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """--kv-dir, else its variable, else the directory ``serve`` uses by default (CACHE_DIR/kv/MODEL, with
-    --cache-dir / FLASHTIER_CACHE_DIR, FLASHTIER_MODEL_DIR and FLASHTIER_PRESET as serve reads them). ValueError naming the flag
-    when that default does not exist."""
+    --cache-dir / FLASHTIER_CACHE_DIR, FLASHTIER_MODEL_DIR and FLASHTIER_PRESET as serve reads them).
+    ValueError naming the flag when that default does not exist."""
     kv_dir = _setting(args, "kv_dir", environ)
     if not kv_dir:
         cache_dir = _setting(args, "cache_dir", environ) or default_cache_dir(environ)

@@ -16,6 +16,8 @@ import openai
 import pytest
 import torch
 
+from flashtier import LLM, SamplingParams
+
 from ..deploy.serve_process import ServeProcess
 
 pytestmark = [
@@ -41,8 +43,6 @@ def test_a_cuda_server_starts_warm_and_answers_like_the_engine(tmp_path):
     finally:
         srv.stop()
     assert "warm-up" in log.lower() and "'tiny' preset" in log, log[-2000:]
-    from flashtier import LLM, SamplingParams
-
     llm = LLM(str(cache / "models" / "demo-tiny-seed0"), device="cuda", dtype="bfloat16", block_size=64,
               max_num_batched_tokens=512, max_num_seqs=2)
     ref = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))[0]
