@@ -141,6 +141,7 @@ class MoEGemmConfig:
     num_stages: int = 2
     split_k: int = 1  # K splits (each split a program): parallelism at decode sizes
     decode: str = "bits"  # weight decode on the GPU: "bits" (integer ops + bf16 FMA) or "cvt" (hardware conversions)
+    pipeline: int = 0  # 0: a register double buffer of weight bytes; >= 2: loads staged through shared memory
 
     def __post_init__(self) -> None:
         pow2 = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0 and not v & (v - 1)  # noqa: E731
@@ -152,27 +153,46 @@ class MoEGemmConfig:
             raise ValueError(f"MoEGemmConfig: num_warps a power of two, num_stages in [1, 8]; got {self}")
         if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"MoEGemmConfig: split_k must be an int in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
+        if isinstance(self.pipeline, bool) or self.pipeline not in (0, 2, 3, 4, 5, 6):
+            raise ValueError(f"MoEGemmConfig: pipeline must be 0 or a stage count in [2, 6], got {self.pipeline!r}")
         if self.decode not in DECODES:
             raise ValueError(f"MoEGemmConfig: decode must be one of {DECODES}, got {self.decode!r}")
 
 
 @triton.jit
-def _load_weights(p_wq, p_ws, base_q, base_s, o_n, m_n, k0, K, live, FP8_W: tl.constexpr, BK: tl.constexpr):
-    """Raw bytes of weight rows ``o_n`` at K columns [k0, k0 + BK) (none when ``live`` is false): codes
-    ([BN, BK / 2] MXFP4, element 2j in the low nibble of byte j; [BN, BK] FP8) and scale bytes [BN, BK / 32]."""
-    NS: tl.constexpr = BK // 32
-    o_s = k0 // 32 + tl.arange(0, NS)
-    m_s = m_n[:, None] & (o_s < K // 32)[None, :] & live
+def _load_codes(p_wq, base_q, o_n, m_n, k0, K, live, FP8_W: tl.constexpr, BK: tl.constexpr):
+    """Code bytes of weight rows ``o_n`` at K columns [k0, k0 + BK) (none when ``live`` is false): [BN, BK / 2]
+    MXFP4 (element 2j in the low nibble of byte j) or [BN, BK] FP8."""
     o_r = o_n.to(tl.int64)[:, None]
-    if FP8_W:  # codes [rows, K], one scale per 32 x 32 block [rows / 32, K / 32]
+    if FP8_W:  # codes [rows, K]
         o_k = k0 + tl.arange(0, BK)
         b_w = tl.load(p_wq + o_r * K + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :] & live, other=0)
-        b_s = tl.load(p_ws + (o_n // 32).to(tl.int64)[:, None] * (K // 32) + o_s[None, :], mask=m_s, other=127)
-    else:  # MXFP4: codes [rows, K / 2]; scales [rows, K / 32]
+    else:  # MXFP4: codes [rows, K / 2]
         o_kb = k0 // 2 + tl.arange(0, BK // 2)
         b_w = tl.load(p_wq + base_q + o_r * (K // 2) + o_kb[None, :],
                       mask=m_n[:, None] & (o_kb < K // 2)[None, :] & live, other=0)
-        b_s = tl.load(p_ws + base_s + o_r * (K // 32) + o_s[None, :], mask=m_s, other=127)
+    return b_w
+
+
+@triton.jit
+def _load_scales(p_ws, base_s, o_n, m_n, k0, K, live, FP8_W: tl.constexpr, BK: tl.constexpr):
+    """Scale bytes [BN, BK / 32] of weight rows ``o_n`` at K columns [k0, k0 + BK) (127: 1.0 where not live)."""
+    NS: tl.constexpr = BK // 32
+    o_s = k0 // 32 + tl.arange(0, NS)
+    m_s = m_n[:, None] & (o_s < K // 32)[None, :] & live
+    if FP8_W:  # one scale per 32 x 32 block [rows / 32, K / 32]
+        b_s = tl.load(p_ws + (o_n // 32).to(tl.int64)[:, None] * (K // 32) + o_s[None, :], mask=m_s, other=127)
+    else:  # MXFP4: [rows, K / 32]
+        b_s = tl.load(p_ws + base_s + o_n.to(tl.int64)[:, None] * (K // 32) + o_s[None, :], mask=m_s, other=127)
+    return b_s
+
+
+@triton.jit
+def _load_weights(p_wq, p_ws, base_q, base_s, o_n, m_n, k0, K, live, FP8_W: tl.constexpr, BK: tl.constexpr):
+    """Raw bytes of weight rows ``o_n`` at K columns [k0, k0 + BK): codes and scales (``_load_codes``,
+    ``_load_scales``)."""
+    b_w = _load_codes(p_wq, base_q, o_n, m_n, k0, K, live, FP8_W, BK)
+    b_s = _load_scales(p_ws, base_s, o_n, m_n, k0, K, live, FP8_W, BK)
     return b_w, b_s
 
 
@@ -263,6 +283,26 @@ def _mma_tile(p_a, o_a, m_r, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_acc, b
 
 
 @triton.jit
+def _mma_tile_rows(p_a, o_a, m_r, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_acc, b_acc3,
+                   GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """``_mma_tile`` with the activations loaded as whole rows ``[BT, BK]`` (16-byte vectors) and split into even
+    and odd columns in registers: the same operands, so the same products and sums."""
+    HALF: tl.constexpr = BK // 2
+    o_k = k0 + tl.arange(0, BK)
+    b_a = tl.load(p_a + o_a.to(tl.int64)[:, None] * stride_a + o_k[None, :],
+                  mask=m_r[:, None] & (o_k < K)[None, :], other=0.0).to(DT)
+    b_ae, b_ao = tl.split(tl.reshape(b_a, (BT, HALF, 2)))
+    b_ae = tl.trans(b_ae)
+    b_ao = tl.trans(b_ao)
+    b_acc = tl.dot(b_we, b_ae, b_acc)
+    b_acc = tl.dot(b_wo, b_ao, b_acc)
+    if GATED:
+        b_acc3 = tl.dot(b_we3, b_ae, b_acc3)
+        b_acc3 = tl.dot(b_wo3, b_ao, b_acc3)
+    return b_acc, b_acc3
+
+
+@triton.jit
 def _store_tile(b_acc, b_acc3, i_m, o_out, m_r, b_rw, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps,
                 stride_ph, stride_pr, i_k, limit, GATED: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                 SPLIT_K: tl.constexpr):
@@ -284,44 +324,11 @@ def _store_tile(b_acc, b_acc3, i_m, o_out, m_r, b_rw, o_n, m_n, p_out, p_part, m
 
 
 @triton.jit
-def _chunk(
-    c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, base_q, base_s, p_out, p_part,
-    n_pairs, n_tok, top_k, n_rblocks, m_lo, K, N, stride_a, stride_out, stride_ps, stride_ph, stride_pr, limit,
-    GATED: tl.constexpr, FP8_W: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    MT: tl.constexpr, DT: tl.constexpr, SPLIT_K: tl.constexpr, DECODE: tl.constexpr,
-):
-    """Tiles [c0, min(c0 + MT, t1)) of one expert (routed: MXFP4 at ``base_q`` / ``base_s``; shared: FP8) over
-    split ``i_k``: each weight step is loaded and decoded once and multiplied into every live tile."""
-    K = tl.multiple_of(K, 32)  # checked by the caller (whole scale blocks): lets the loads be 16-byte vectors
-    n_live = t1 - c0
-    m_n = o_n < N
-    w3_rows = N  # GATED: the w3 rows follow the N w1 rows
-    _, o_a0, o_out0, m_r0, b_rw0 = _tile_rows(c0, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k, n_rblocks,
-                                             GATED, BT)
-    o_a1, o_out1, m_r1, b_rw1 = o_a0, o_out0, m_r0, b_rw0
-    o_a2, o_out2, m_r2, b_rw2 = o_a0, o_out0, m_r0, b_rw0
-    o_a3, o_out3, m_r3, b_rw3 = o_a0, o_out0, m_r0, b_rw0
-    if MT > 1:
-        _, o_a1, o_out1, m_r1, b_rw1 = _tile_rows(c0 + 1, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
-                                                 n_rblocks, GATED, BT)
-        m_r1 = m_r1 & (n_live > 1)
-    if MT > 2:
-        _, o_a2, o_out2, m_r2, b_rw2 = _tile_rows(c0 + 2, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
-                                                 n_rblocks, GATED, BT)
-        _, o_a3, o_out3, m_r3, b_rw3 = _tile_rows(c0 + 3, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
-                                                 n_rblocks, GATED, BT)
-        m_r2 = m_r2 & (n_live > 2)
-        m_r3 = m_r3 & (n_live > 3)
-    if SPLIT_K == 1:
-        k_lo = 0
-        k_hi = K
-    else:
-        k_len = tl.cdiv(tl.cdiv(K, BK), SPLIT_K) * BK
-        k_lo = i_k * k_len
-        k_hi = tl.minimum(k_lo + k_len, K)
-    b_a0 = tl.zeros((BN, BT), dtype=tl.float32)
-    b_b0 = tl.zeros((BN, BT), dtype=tl.float32)
-    b_a1, b_b1, b_a2, b_b2, b_a3, b_b3 = b_a0, b_b0, b_a0, b_b0, b_a0, b_b0
+def _regs_loop(k_lo, k_hi, n_live, o_n, m_n, w3_rows, p_a, p_wq, p_ws, base_q, base_s, K, stride_a,
+               o_a0, m_r0, o_a1, m_r1, o_a2, m_r2, o_a3, m_r3, b_a0, b_b0, b_a1, b_b1, b_a2, b_b2, b_a3, b_b3,
+               GATED: tl.constexpr, FP8_W: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, MT: tl.constexpr,
+               DT: tl.constexpr, DECODE: tl.constexpr):
+    """The K loop with a register double buffer: step k + 1's weight bytes are loaded before step k is decoded."""
     live = k_lo < k_hi
     b_w, b_s = _load_weights(p_wq, p_ws, base_q, base_s, o_n, m_n, k_lo, K, live, FP8_W, BK)
     b_w3, b_s3 = b_w, b_s
@@ -353,20 +360,104 @@ def _chunk(
                 b_a3, b_b3 = _mma_tile(p_a, o_a3, m_r3, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a3, b_b3, GATED,
                                        BT, BK, DT)
         b_w, b_s, b_w3, b_s3 = b_w_nxt, b_s_nxt, b_w3_nxt, b_s3_nxt
+    return b_a0, b_b0, b_a1, b_b1, b_a2, b_b2, b_a3, b_b3
+
+
+@triton.jit
+def _unstack(b_acc, BO: tl.constexpr, BT: tl.constexpr):
+    """fp32 ``[2 BO, BT]`` sums of stacked w1 / w3 rows -> (a, b), each ``[BO, BT]``."""
+    return tl.split(tl.permute(tl.reshape(b_acc, (2, BO, BT)), (1, 2, 0)))
+
+
+@triton.jit
+def _chunk(
+    c0, t1, i_k, o_n, o_w, m_w, p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, base_q, base_s, p_out, p_part,
+    n_pairs, n_tok, top_k, n_rblocks, m_lo, K, N, stride_a, stride_out, stride_ps, stride_ph, stride_pr, limit,
+    GATED: tl.constexpr, FP8_W: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    MT: tl.constexpr, DT: tl.constexpr, SPLIT_K: tl.constexpr, DECODE: tl.constexpr, PIPE: tl.constexpr,
+    BO: tl.constexpr, KALIGN: tl.constexpr,
+):
+    """Tiles [c0, min(c0 + MT, t1)) of one expert (routed: MXFP4 at ``base_q`` / ``base_s``; shared: FP8) over
+    split ``i_k``: each weight step is loaded and decoded once and multiplied into every live tile."""
+    K = tl.multiple_of(K, 32)  # checked by the caller (whole scale blocks): lets the loads be 16-byte vectors
+    if KALIGN:  # K is a multiple of BK (checked by the caller): a step's scale bytes are one aligned vector
+        K = tl.multiple_of(K, BK)
+    n_live = t1 - c0
+    m_n = o_n < N
+    w3_rows = N  # GATED: the w3 rows follow the N w1 rows
+    _, o_a0, o_out0, m_r0, b_rw0 = _tile_rows(c0, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k, n_rblocks,
+                                             GATED, BT)
+    o_a1, o_out1, m_r1, b_rw1 = o_a0, o_out0, m_r0, b_rw0
+    o_a2, o_out2, m_r2, b_rw2 = o_a0, o_out0, m_r0, b_rw0
+    o_a3, o_out3, m_r3, b_rw3 = o_a0, o_out0, m_r0, b_rw0
+    if MT > 1:
+        _, o_a1, o_out1, m_r1, b_rw1 = _tile_rows(c0 + 1, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
+                                                 n_rblocks, GATED, BT)
+        m_r1 = m_r1 & (n_live > 1)
+    if MT > 2:
+        _, o_a2, o_out2, m_r2, b_rw2 = _tile_rows(c0 + 2, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
+                                                 n_rblocks, GATED, BT)
+        _, o_a3, o_out3, m_r3, b_rw3 = _tile_rows(c0 + 3, p_ids, p_block_expert, p_rw, n_pairs, n_tok, top_k,
+                                                 n_rblocks, GATED, BT)
+        m_r2 = m_r2 & (n_live > 2)
+        m_r3 = m_r3 & (n_live > 3)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        k_len = tl.cdiv(tl.cdiv(K, BK), SPLIT_K) * BK
+        k_lo = i_k * k_len
+        k_hi = tl.minimum(k_lo + k_len, K)
+    b_a0 = tl.zeros((BN, BT), dtype=tl.float32)
+    b_b0 = tl.zeros((BN, BT), dtype=tl.float32)
+    b_a1, b_b1, b_a2, b_b2, b_a3, b_b3 = b_a0, b_b0, b_a0, b_b0, b_a0, b_b0
+    if PIPE > 0:  # loads inside the loop: the compiler stages them through shared memory, PIPE steps deep
+        # GATED: one [BN, BK / 2] tile holds w1 rows (top half) and the matching w3 rows (bottom half), one dot
+        # per step; the accumulator is split into a and b after the loop (``_unstack``)
+        # (the scale bytes, too narrow for an asynchronous copy, are loaded one step ahead into registers)
+        b_s = _load_scales(p_ws, base_s, o_w, m_w, k_lo, K, k_lo < k_hi, FP8_W, BK)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=PIPE):
+            b_w = _load_codes(p_wq, base_q, o_w, m_w, k0, K, True, FP8_W, BK)
+            b_s_nxt = _load_scales(p_ws, base_s, o_w, m_w, k0 + BK, K, k0 + BK < k_hi, FP8_W, BK)
+            b_we, b_wo = _decode_weights(b_w, b_s, FP8_W, BK, DT, DECODE)
+            b_s = b_s_nxt
+            b_a0, b_b0 = _mma_tile_rows(p_a, o_a0, m_r0, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a0, b_b0,
+                                        False, BT, BK, DT)
+            if MT > 1:
+                if n_live > 1:
+                    b_a1, b_b1 = _mma_tile_rows(p_a, o_a1, m_r1, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a1,
+                                                b_b1, False, BT, BK, DT)
+            if MT > 2:
+                if n_live > 2:
+                    b_a2, b_b2 = _mma_tile_rows(p_a, o_a2, m_r2, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a2,
+                                                b_b2, False, BT, BK, DT)
+                if n_live > 3:
+                    b_a3, b_b3 = _mma_tile_rows(p_a, o_a3, m_r3, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a3,
+                                                b_b3, False, BT, BK, DT)
+        if GATED:
+            b_a0, b_b0 = _unstack(b_a0, BO, BT)
+            b_a1, b_b1 = _unstack(b_a1, BO, BT)
+            b_a2, b_b2 = _unstack(b_a2, BO, BT)
+            b_a3, b_b3 = _unstack(b_a3, BO, BT)
+    else:
+        b_a0, b_b0, b_a1, b_b1, b_a2, b_b2, b_a3, b_b3 = _regs_loop(
+            k_lo, k_hi, n_live, o_n, m_n, w3_rows, p_a, p_wq, p_ws, base_q, base_s, K, stride_a,
+            o_a0, m_r0, o_a1, m_r1, o_a2, m_r2, o_a3, m_r3, b_a0, b_b0, b_a1, b_b1, b_a2, b_b2, b_a3, b_b3,
+            GATED, FP8_W, BT, BK, MT, DT, DECODE)
     m_n = o_n < N
     _store_tile(b_a0, b_b0, c0, o_out0, m_r0, b_rw0, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps, stride_ph,
-                stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
+                stride_pr, i_k, limit, GATED, BT, BO, SPLIT_K)
     if MT > 1:
         if n_live > 1:
             _store_tile(b_a1, b_b1, c0 + 1, o_out1, m_r1, b_rw1, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps,
-                        stride_ph, stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
+                        stride_ph, stride_pr, i_k, limit, GATED, BT, BO, SPLIT_K)
     if MT > 2:
         if n_live > 2:
             _store_tile(b_a2, b_b2, c0 + 2, o_out2, m_r2, b_rw2, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps,
-                        stride_ph, stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
+                        stride_ph, stride_pr, i_k, limit, GATED, BT, BO, SPLIT_K)
         if n_live > 3:
             _store_tile(b_a3, b_b3, c0 + 3, o_out3, m_r3, b_rw3, o_n, m_n, p_out, p_part, m_lo, stride_out, stride_ps,
-                        stride_ph, stride_pr, i_k, limit, GATED, BT, BN, SPLIT_K)
+                        stride_ph, stride_pr, i_k, limit, GATED, BT, BO, SPLIT_K)
 
 
 # Integer arguments that follow the batch, left unspecialised (engine/warmup.py says why)
@@ -379,7 +470,7 @@ def _moe_gemm_kernel(
     n_pairs, n_tok, top_k, n_exp, n_rblocks, n_m, m_lo, m_hi, K_R, K_S, N_R, N_S, stride_a, stride_out,
     stride_ps, stride_ph, stride_pr, limit,
     GATED: tl.constexpr, UPCAST: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    MT: tl.constexpr, SPLIT_K: tl.constexpr, DECODE: tl.constexpr,
+    MT: tl.constexpr, SPLIT_K: tl.constexpr, DECODE: tl.constexpr, PIPE: tl.constexpr, KALIGN: tl.constexpr,
 ):
     # Traffic per program: BN (x2 when GATED) weight rows of K / SPLIT_K elements, read once; each live tile's
     # BT activation rows of as many (L2 hits after the first N tile).
@@ -394,19 +485,30 @@ def _moe_gemm_kernel(
         t1 = tl.minimum(t0 + MT, n_m)
     t0 = tl.maximum(t0, m_lo)  # this window's tiles only
     t1 = tl.minimum(t1, m_hi)
-    o_n = i_n * BN + tl.arange(0, BN)
+    if KALIGN:
+        K_R = tl.multiple_of(K_R, BK)
+        K_S = tl.multiple_of(K_S, BK)
+    # BO output columns per program; staged GATED programs stack BO w1 rows over the same BO w3 rows (BN rows)
+    BO: tl.constexpr = BN // 2 if GATED and PIPE > 0 else BN
+    o_n = i_n * BO + tl.arange(0, BO)
+    n_g = tl.where(g < n_exp, N_R, N_S)  # this group's output width
+    o_w = o_n
+    if GATED and PIPE > 0:
+        o_r = tl.arange(0, BN)
+        o_w = i_n * BO + o_r % BO + tl.where(o_r < BO, 0, n_g)  # w3's rows follow w1's n_g rows
+    m_w = i_n * BO + tl.arange(0, BN) % BO < n_g
     for c0 in range(t0, t1, MT):
         if g < n_exp:
             n_w = 2 * N_R if GATED else N_R  # w1 and w3 are 2 * N_R rows per expert
             e64 = g.to(tl.int64)
-            _chunk(c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, e64 * n_w * (K_R // 2),
+            _chunk(c0, t1, i_k, o_n, o_w, m_w, p_a, p_ids, p_block_expert, p_rw, p_wq, p_ws, e64 * n_w * (K_R // 2),
                    e64 * n_w * (K_R // 32), p_out, p_part, n_pairs, n_tok, top_k, n_rblocks, m_lo, K_R, N_R,
                    stride_a, stride_out, stride_ps, stride_ph, stride_pr, limit,
-                   GATED, False, BT, BN, BK, MT, DT, SPLIT_K, DECODE)
+                   GATED, False, BT, BN, BK, MT, DT, SPLIT_K, DECODE, PIPE, BO, KALIGN)
         else:
-            _chunk(c0, t1, i_k, o_n, p_a, p_ids, p_block_expert, p_rw, p_sq, p_ss, 0, 0, p_out, p_part, n_pairs,
+            _chunk(c0, t1, i_k, o_n, o_w, m_w, p_a, p_ids, p_block_expert, p_rw, p_sq, p_ss, 0, 0, p_out, p_part, n_pairs,
                    n_tok, top_k, n_rblocks, m_lo, K_S, N_S, stride_a, stride_out, stride_ps, stride_ph, stride_pr,
-                   limit, GATED, True, BT, BN, BK, MT, DT, SPLIT_K, DECODE)
+                   limit, GATED, True, BT, BN, BK, MT, DT, SPLIT_K, DECODE, PIPE, BO, KALIGN)
 
 
 def _upcast() -> bool:
@@ -437,11 +539,14 @@ def launch_moe_gemm(
         return out
     sq, ss = shared if shared is not None else routed  # never read without shared tiles
     width = max(n_r, n_s)
-    grid = (n_exp + triton.cdiv(n_stiles, mt), triton.cdiv(width, config.block_n), splits)
+    per_program = config.block_n // 2 if gated and config.pipeline else config.block_n  # output columns
+    grid = (n_exp + triton.cdiv(n_stiles, mt), triton.cdiv(width, per_program), splits)
     rows = (a, ids, block_expert, first_block, out if route_w is None else route_w)
     sizes = (top_k * n_tok, n_tok, top_k, n_exp, n_rblocks, n_m)
     consts = dict(GATED=gated, UPCAST=_upcast(), BT=bt, BN=config.block_n, BK=config.block_k, MT=mt,
-                  DECODE=config.decode, num_warps=config.num_warps, num_stages=config.num_stages)
+                  DECODE=config.decode, PIPE=config.pipeline, KALIGN=k_r % config.block_k == 0 and k_s % config.block_k == 0,
+                  num_warps=config.num_warps,
+                  num_stages=config.num_stages)
     if splits == 1:
         _moe_gemm_kernel[grid](
             *rows, routed[0], routed[1], sq, ss, out, out, *sizes, 0, n_m, k_r, k_s, n_r, n_s, a.stride(0),

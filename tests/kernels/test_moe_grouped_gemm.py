@@ -21,6 +21,7 @@ Stages are also checked alone: w2 on identical activations (<= 1e-6, no quantisa
 combine (bit-identical to the reference's summation order). A corrupted weight byte fails the check.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -132,6 +133,21 @@ def test_w2_stage_alone_is_tight():
             ref[f] = act[row].float() @ dense_mxfp4_expert(routed, int(al.block_expert[row // bm]))[2].T
     ref[n * k :] = act[n_r : n_r + n].float() @ dense_fp8_expert(shared)[2].T
     assert float(row_errors(ref, out).max()) <= 1e-6
+
+
+@pytest.mark.parametrize("pipeline", [2, 3])
+def test_staged_loads_give_the_register_buffered_bits(grid_results, pipeline):
+    """``pipeline`` (loads staged through shared memory, activations as whole rows) runs the same dots in the same
+    order as the register double buffer: the same bits, routed and shared tiles, both projections, with and
+    without split-K."""
+    r = grid_results[17]
+    for split in (1, 2):
+        base = MoEGemmConfig(sub_tiles=2, split_k=split)
+        staged = dataclasses.replace(base, pipeline=pipeline)
+        runs = [moe_grouped_ffn(r["x"], r["idx"], r["w"], r["routed"], r["shared"], LIMIT, impl="triton",
+                                config=MoEFfnConfig(c, c)) for c in (base, staged)]
+        assert torch.equal(runs[0], runs[1]), f"split {split}"
+        assert_close_rows(r["ref"], runs[1])
 
 
 def test_combine_is_the_reference_order_bit_for_bit():
