@@ -142,6 +142,7 @@ class MoEGemmConfig:
     split_k: int = 1  # K splits (each split a program): parallelism at decode sizes
     decode: str = "bits"  # weight decode on the GPU: "bits" (integer ops + bf16 FMA) or "cvt" (hardware conversions)
     pipeline: int = 0  # 0: a register double buffer of weight bytes; >= 2: loads staged through shared memory
+    maxnreg: int | None = None  # register cap per thread (more programs per SM; None: the compiler's choice)
 
     def __post_init__(self) -> None:
         pow2 = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0 and not v & (v - 1)  # noqa: E731
@@ -155,6 +156,8 @@ class MoEGemmConfig:
             raise ValueError(f"MoEGemmConfig: split_k must be an int in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
         if isinstance(self.pipeline, bool) or self.pipeline not in (0, 2, 3, 4, 5, 6):
             raise ValueError(f"MoEGemmConfig: pipeline must be 0 or a stage count in [2, 6], got {self.pipeline!r}")
+        if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or self.maxnreg not in range(64, 256, 8)):
+            raise ValueError(f"MoEGemmConfig: maxnreg must be None or a multiple of 8 in [64, 248], got {self.maxnreg!r}")
         if self.decode not in DECODES:
             raise ValueError(f"MoEGemmConfig: decode must be one of {DECODES}, got {self.decode!r}")
 
@@ -545,7 +548,7 @@ def launch_moe_gemm(
     sizes = (top_k * n_tok, n_tok, top_k, n_exp, n_rblocks, n_m)
     consts = dict(GATED=gated, UPCAST=_upcast(), BT=bt, BN=config.block_n, BK=config.block_k, MT=mt,
                   DECODE=config.decode, PIPE=config.pipeline, KALIGN=k_r % config.block_k == 0 and k_s % config.block_k == 0,
-                  num_warps=config.num_warps,
+                  num_warps=config.num_warps, **({} if config.maxnreg is None else dict(maxnreg=config.maxnreg)),
                   num_stages=config.num_stages)
     if splits == 1:
         _moe_gemm_kernel[grid](

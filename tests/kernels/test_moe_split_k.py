@@ -168,7 +168,9 @@ def test_e2m1_as_e4m3_decodes_to_the_e2m1_values():
 
 
 @pytest.mark.parametrize("field,value", [("split_k", 0), ("split_k", 65), ("split_k", True), ("split_k", 2.0),
-                                         ("sub_tiles", 3), ("block_n", 48), ("decode", "fp8"), ("decode", None)])
+                                         ("sub_tiles", 3), ("block_n", 48), ("decode", "fp8"), ("decode", None),
+                                         ("pipeline", 1), ("pipeline", 7), ("pipeline", True), ("maxnreg", 100),
+                                         ("maxnreg", 256), ("maxnreg", True)])
 def test_bad_split_raises(field, value):
     with pytest.raises(ValueError, match=field):
         MoEGemmConfig(**{field: value})
