@@ -179,13 +179,15 @@ def test_bad_split_raises(field, value):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled Triton (TRITON_INTERPRET=0)")
-@pytest.mark.parametrize("split", [2, 4, 8, 16])
-def test_real_geometry_gpu(split):
+@pytest.mark.parametrize("split,staged", [(2, {}), (4, {}), (8, {}), (16, {}),
+                                          (4, dict(pipeline=3, sub_tiles=1)), (2, dict(pipeline=4, maxnreg=128)),
+                                          (4, dict(pipeline=3, block_n=128, sub_tiles=4))])
+def test_real_geometry_gpu(split, staged):
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's GEMMs in true fp32
     e, k, d, i = 16, 6, 5120, 2304
     routed, shared = make_experts(e, d, i, device="cuda")
     x, idx, w = make_case(64, e, k, d, i, device="cuda")
-    cfg = both(split_k=split)
+    cfg = both(split_k=split, **staged)
     for n in (1, 8, 64):
         out = run(x[:n], idx[:n], w[:n], routed, shared, cfg)
         ref = moe_grouped_ffn(x[:n], idx[:n], w[:n], routed, shared, LIMIT, impl="reference")
