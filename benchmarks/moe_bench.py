@@ -288,15 +288,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="flash-16e")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, TRITON_INTERPRET=1: checks the script")
-    ap.add_argument("--variants", default=":", metavar="START:END", help="only VARIANTS[START:END]")
+    ap.add_argument("--variants", default=":", metavar="START:END",
+                    help="only VARIANTS[START:END] (comma-separated slices or indices)")
     ap.add_argument("--json", default=None, help="write the results (e.g. docs/perf/moe.json)")
     ap.add_argument("--tune-out", default=None, help="write the best config per weight shape as a config table")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     preset_name = "tiny" if args.smoke else args.preset
     sizes = SMOKE_BATCHES if args.smoke else BATCHES
-    start, _, end = args.variants.partition(":")
-    variants = VARIANTS[int(start or 0) : int(end) if end else None]
+    variants = []
+    for part in args.variants.split(","):  # "START:END" slices and single indices, e.g. "14,17,18:"
+        start, colon, end = part.partition(":")
+        variants += VARIANTS[int(start or 0) : int(end) if end else None] if colon else [VARIANTS[int(part)]]
     if args.smoke:
         variants = [C(), C(split_k=3, sub_tiles=1)]
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference in true fp32

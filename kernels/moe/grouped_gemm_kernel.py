@@ -55,9 +55,24 @@ The fp8 x fp8 alternative (e2m1 -> e4m3 is lossless) would halve MMA time, but d
 by weight bytes, not MMA rate, and Hopper's fp8 MMA accumulates with ~14 bits (DeepSeek-V3 report §3.3.2),
 which would flip the FP8 rounding of the activation before w2 far more often.
 
-Latency. The raw weight bytes of step k + 1 are requested before step k is decoded (a register double
-buffer), so their latency overlaps step k's decode and dots; the loads are 16-byte vectors (K is a
-multiple of 32, told to the compiler).
+Latency. Two K loops, chosen by ``MoEGemmConfig.pipeline``:
+
+    0 (register double buffer)  the raw weight bytes of step k + 1 are requested before step k is decoded, so
+                                their latency overlaps one step's decode and dots; activations are gathered as
+                                even / odd columns each step
+    P >= 2 (staged)             the loads sit inside a ``tl.range(num_stages=P)`` loop and the compiler turns
+                                them into asynchronous copies into shared memory, P - 1 steps ahead: weight
+                                codes (read from there straight in the MMA operand layout, then decoded in
+                                registers) and whole activation rows; only the scale bytes (too narrow for an
+                                asynchronous copy) are loaded one step ahead in registers. GATED programs stack
+                                BN / 2 w1 rows over the matching BN / 2 w3 rows: one [BN, BK / 2] tile, one dot
+                                per step and half the registers of two, split back into a and b after the loop
+
+What bounds it (ncu on an H100, flash-16e w13 at 1 token): not bytes. DRAM is 20-28% busy; each warp issues an
+instruction every ~4.5 cycles at 12% (register buffer, 220 registers) or 18% (staged, 139 registers) occupancy,
+and the staged loop issues ~255 instructions per 64 x 64 step per thread (32 weight elements): ~90 decode,
+the rest operand shuffles, the scale multipliers, masks, barriers and copy bookkeeping. The staged loop's gain
+(docs/perf/moe.json) is occupancy and latency; further gains need fewer instructions per weight element.
 
 Batch invariance. The launch shape (BN, BK, MT, warps) and S come from ``MoEGemmConfig`` looked up per
 weight shape (``moe/gemm_config.py``), never from the batch; the token tile is 16 rows always. A pair's row
