@@ -290,12 +290,14 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, TRITON_INTERPRET=1: checks the script")
     ap.add_argument("--variants", default=":", metavar="START:END",
                     help="only VARIANTS[START:END] (comma-separated slices or indices)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                    help="token counts (the choice of best covers them all; a prefill chunk is 512 tokens)")
     ap.add_argument("--json", default=None, help="write the results (e.g. docs/perf/moe.json)")
     ap.add_argument("--tune-out", default=None, help="write the best config per weight shape as a config table")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     preset_name = "tiny" if args.smoke else args.preset
-    sizes = SMOKE_BATCHES if args.smoke else BATCHES
+    sizes = SMOKE_BATCHES if args.smoke else tuple(int(b) for b in args.batches.split(","))
     variants = []
     for part in args.variants.split(","):  # "START:END" slices and single indices, e.g. "14,17,18:"
         start, colon, end = part.partition(":")
