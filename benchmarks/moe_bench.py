@@ -247,12 +247,20 @@ def print_variant(row: dict) -> None:
     print(f"  {name:<34} err {row['err']:.1e} inv {row['batch_invariant']!s:<5} {verdict} {cells}", flush=True)
 
 
+DECODE_MAX = 64  # the table is chosen by decode sizes; larger batches (prefill chunks) are reported, not scored
+
+
+def _scored_keys(row: dict, proj: str) -> list[str]:
+    """The ``proj@tokens`` cells a variant is scored by: the decode batches, or every batch if none is that small."""
+    keys = [k for k in row["proj"] if k.startswith(proj + "@")]
+    return [k for k in keys if int(k.split("@")[1]) <= DECODE_MAX] or keys
+
+
 def best_per_projection(rows: list[dict]) -> dict[str, dict]:
-    """Per projection, the passing variant whose worst batch ratio is lowest."""
+    """Per projection, the passing variant whose worst ratio over its scored batches (``_scored_keys``) is lowest."""
     best = {}
     for proj in ("w13", "w2"):
-        scored = [(max(v["ratio"] for k, v in r["proj"].items() if k.startswith(proj + "@")), r)
-                  for r in rows if r.get("ok")]
+        scored = [(max(r["proj"][k]["ratio"] for k in _scored_keys(r, proj)), r) for r in rows if r.get("ok")]
         if scored:
             score, r = min(scored, key=lambda t: t[0])
             best[proj] = dict(config=r["config"], worst_ratio=score,

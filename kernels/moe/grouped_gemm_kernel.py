@@ -172,7 +172,8 @@ class MoEGemmConfig:
         if isinstance(self.pipeline, bool) or self.pipeline not in (0, 2, 3, 4, 5, 6):
             raise ValueError(f"MoEGemmConfig: pipeline must be 0 or a stage count in [2, 6], got {self.pipeline!r}")
         if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or self.maxnreg not in range(64, 256, 8)):
-            raise ValueError(f"MoEGemmConfig: maxnreg must be None or a multiple of 8 in [64, 248], got {self.maxnreg!r}")
+            raise ValueError(f"MoEGemmConfig: maxnreg must be None or a multiple of 8 in [64, 248], "
+                             f"got {self.maxnreg!r}")
         if self.decode not in DECODES:
             raise ValueError(f"MoEGemmConfig: decode must be one of {DECODES}, got {self.decode!r}")
 
@@ -396,7 +397,9 @@ def _chunk(
     BO: tl.constexpr, KALIGN: tl.constexpr,
 ):
     """Tiles [c0, min(c0 + MT, t1)) of one expert (routed: MXFP4 at ``base_q`` / ``base_s``; shared: FP8) over
-    split ``i_k``: each weight step is loaded and decoded once and multiplied into every live tile."""
+    split ``i_k``: each weight step is loaded and decoded once and multiplied into every live tile. ``o_n``: the
+    BO output columns; ``o_w`` / ``m_w``: the BN weight rows a staged step reads (GATED: BO w1 rows over the same
+    BO w3 rows) and which of them exist. The register-buffered loop reads ``o_n`` (and ``o_n + N`` for w3)."""
     K = tl.multiple_of(K, 32)  # checked by the caller (whole scale blocks): lets the loads be 16-byte vectors
     if KALIGN:  # K is a multiple of BK (checked by the caller): a step's scale bytes are one aligned vector
         K = tl.multiple_of(K, BK)
@@ -490,8 +493,8 @@ def _moe_gemm_kernel(
     GATED: tl.constexpr, UPCAST: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     MT: tl.constexpr, SPLIT_K: tl.constexpr, DECODE: tl.constexpr, PIPE: tl.constexpr, KALIGN: tl.constexpr,
 ):
-    # Traffic per program: BN (x2 when GATED) weight rows of K / SPLIT_K elements, read once; each live tile's
-    # BT activation rows of as many (L2 hits after the first N tile).
+    # Traffic per program: BN weight rows (x2 when GATED and register-buffered) of K / SPLIT_K elements, read
+    # once; each live tile's BT activation rows of as many (L2 hits after the first N tile).
     # Groups [0, n_exp): routed expert g, its moe_align blocks. Groups [n_exp, ...): MT shared-expert tiles each.
     g, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
@@ -524,9 +527,9 @@ def _moe_gemm_kernel(
                    stride_a, stride_out, stride_ps, stride_ph, stride_pr, limit,
                    GATED, False, BT, BN, BK, MT, DT, SPLIT_K, DECODE, PIPE, BO, KALIGN)
         else:
-            _chunk(c0, t1, i_k, o_n, o_w, m_w, p_a, p_ids, p_block_expert, p_rw, p_sq, p_ss, 0, 0, p_out, p_part, n_pairs,
-                   n_tok, top_k, n_rblocks, m_lo, K_S, N_S, stride_a, stride_out, stride_ps, stride_ph, stride_pr,
-                   limit, GATED, True, BT, BN, BK, MT, DT, SPLIT_K, DECODE, PIPE, BO, KALIGN)
+            _chunk(c0, t1, i_k, o_n, o_w, m_w, p_a, p_ids, p_block_expert, p_rw, p_sq, p_ss, 0, 0, p_out, p_part,
+                   n_pairs, n_tok, top_k, n_rblocks, m_lo, K_S, N_S, stride_a, stride_out, stride_ps, stride_ph,
+                   stride_pr, limit, GATED, True, BT, BN, BK, MT, DT, SPLIT_K, DECODE, PIPE, BO, KALIGN)
 
 
 def _upcast() -> bool:
@@ -562,7 +565,8 @@ def launch_moe_gemm(
     rows = (a, ids, block_expert, first_block, out if route_w is None else route_w)
     sizes = (top_k * n_tok, n_tok, top_k, n_exp, n_rblocks, n_m)
     consts = dict(GATED=gated, UPCAST=_upcast(), BT=bt, BN=config.block_n, BK=config.block_k, MT=mt,
-                  DECODE=config.decode, PIPE=config.pipeline, KALIGN=k_r % config.block_k == 0 and k_s % config.block_k == 0,
+                  DECODE=config.decode, PIPE=config.pipeline,
+                  KALIGN=k_r % config.block_k == 0 and k_s % config.block_k == 0,
                   num_warps=config.num_warps, **({} if config.maxnreg is None else dict(maxnreg=config.maxnreg)),
                   num_stages=config.num_stages)
     if splits == 1:

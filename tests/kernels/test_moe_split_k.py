@@ -18,6 +18,7 @@ Bit-exact checks: a token alone == the same token in a batch; the same inputs tw
 that skips a split, and a workspace the reduction reads at the wrong split, are caught.
 """
 
+import json
 import os
 
 import pytest
@@ -28,6 +29,7 @@ import triton.language as tl
 from flashtier.kernels.moe import grouped_gemm_kernel as gemm_mod
 from flashtier.kernels.quant.e2m1 import _e2m1_to_f32
 from flashtier.kernels.quant.fp8_bits import _e4m3_to_f32
+from flashtier.kernels.moe import gemm_config
 from flashtier.kernels.moe.gemm_config import MoEFfnConfig
 from flashtier.kernels.moe.grouped_gemm_kernel import TOKEN_TILE, MoEGemmConfig, _e2m1_as_e4m3, launch_moe_gemm
 from flashtier.kernels.moe.align import moe_align
@@ -174,6 +176,36 @@ def test_e2m1_as_e4m3_decodes_to_the_e2m1_values():
 def test_bad_split_raises(field, value):
     with pytest.raises(ValueError, match=field):
         MoEGemmConfig(**{field: value})
+
+
+@pytest.fixture
+def fresh_table(monkeypatch):
+    monkeypatch.delenv(gemm_config.ENV_TABLE, raising=False)
+    gemm_config._table.cache_clear()
+    yield monkeypatch
+    gemm_config._table.cache_clear()
+
+
+def test_checked_in_table_reads_and_an_override_replaces_one_entry(fresh_table, tmp_path):
+    """Every checked-in entry is a valid config (the flash-16e shapes on an H100 take the staged loop); a file
+    named by the environment variable replaces the entry it names and nothing else; a malformed one raises
+    naming the file."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    w13, w2 = gemm_config.config_for(4608, 5120, "mxfp4", h100), gemm_config.config_for(5120, 2304, "mxfp4", h100)
+    assert w13.pipeline >= 2 and w2.pipeline >= 2
+    assert gemm_config.config_for(4608, 5120, "mxfp4", "cpu") == gemm_config.DEFAULT
+    mine = MoEGemmConfig(split_k=8, sub_tiles=1)
+    entry = gemm_config.table_entry(gemm_config.ConfigKey(h100, "mxfp4", 4608, 5120), mine, "test")
+    (tmp_path / "t.json").write_text(json.dumps({"entries": [entry]}))
+    fresh_table.setenv(gemm_config.ENV_TABLE, str(tmp_path / "t.json"))
+    gemm_config._table.cache_clear()
+    assert gemm_config.config_for(4608, 5120, "mxfp4", h100) == mine
+    assert gemm_config.config_for(5120, 2304, "mxfp4", h100) == w2
+    entry["config"]["pipeline"] = 1
+    (tmp_path / "t.json").write_text(json.dumps({"entries": [entry]}))
+    gemm_config._table.cache_clear()
+    with pytest.raises(ValueError, match="t.json"):
+        gemm_config.config_for(4608, 5120, "mxfp4", h100)
 
 
 @pytest.mark.gpu
