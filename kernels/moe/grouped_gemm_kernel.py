@@ -283,36 +283,26 @@ def _decode_weights(b_w, b_s, FP8_W: tl.constexpr, BK: tl.constexpr, DT: tl.cons
 
 @triton.jit
 def _mma_tile(p_a, o_a, m_r, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_acc, b_acc3,
-              GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+              GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, ROWS: tl.constexpr):
     """One K step of one token tile: ``acc += W A^T`` (and ``acc3 += W3 A^T`` when GATED), fp32 [BN, BT]; the
-    activations ``A`` [BT, BK] are the rows ``o_a`` (``m_r``: real) at K columns [k0, k0 + BK), loaded already
-    transposed and split into even and odd columns (strided loads of a small tile that L2 holds)."""
+    activations ``A`` [BT, BK] are the rows ``o_a`` (``m_r``: real) at K columns [k0, k0 + BK), split into even
+    and odd columns. ``ROWS`` (the staged loop): loaded as whole rows (16-byte vectors, which the compiler can
+    copy asynchronously) and split in registers; else loaded already transposed and split (strided loads of a
+    small tile that L2 holds). The same operands either way, so the same products and sums."""
     HALF: tl.constexpr = BK // 2
-    o_k = k0 + 2 * tl.arange(0, HALF)
-    p_col = p_a + o_a.to(tl.int64)[None, :] * stride_a + o_k[:, None]
-    m = m_r[None, :] & (o_k < K)[:, None]
-    b_ae = tl.load(p_col, mask=m, other=0.0).to(DT)
-    b_ao = tl.load(p_col + 1, mask=m, other=0.0).to(DT)
-    b_acc = tl.dot(b_we, b_ae, b_acc)
-    b_acc = tl.dot(b_wo, b_ao, b_acc)
-    if GATED:
-        b_acc3 = tl.dot(b_we3, b_ae, b_acc3)
-        b_acc3 = tl.dot(b_wo3, b_ao, b_acc3)
-    return b_acc, b_acc3
-
-
-@triton.jit
-def _mma_tile_rows(p_a, o_a, m_r, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_acc, b_acc3,
-                   GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
-    """``_mma_tile`` with the activations loaded as whole rows ``[BT, BK]`` (16-byte vectors) and split into even
-    and odd columns in registers: the same operands, so the same products and sums."""
-    HALF: tl.constexpr = BK // 2
-    o_k = k0 + tl.arange(0, BK)
-    b_a = tl.load(p_a + o_a.to(tl.int64)[:, None] * stride_a + o_k[None, :],
-                  mask=m_r[:, None] & (o_k < K)[None, :], other=0.0).to(DT)
-    b_ae, b_ao = tl.split(tl.reshape(b_a, (BT, HALF, 2)))
-    b_ae = tl.trans(b_ae)
-    b_ao = tl.trans(b_ao)
+    if ROWS:
+        o_k = k0 + tl.arange(0, BK)
+        b_a = tl.load(p_a + o_a.to(tl.int64)[:, None] * stride_a + o_k[None, :],
+                      mask=m_r[:, None] & (o_k < K)[None, :], other=0.0).to(DT)
+        b_ae, b_ao = tl.split(tl.reshape(b_a, (BT, HALF, 2)))
+        b_ae = tl.trans(b_ae)
+        b_ao = tl.trans(b_ao)
+    else:
+        o_k = k0 + 2 * tl.arange(0, HALF)
+        p_col = p_a + o_a.to(tl.int64)[None, :] * stride_a + o_k[:, None]
+        m = m_r[None, :] & (o_k < K)[:, None]
+        b_ae = tl.load(p_col, mask=m, other=0.0).to(DT)
+        b_ao = tl.load(p_col + 1, mask=m, other=0.0).to(DT)
     b_acc = tl.dot(b_we, b_ae, b_acc)
     b_acc = tl.dot(b_wo, b_ao, b_acc)
     if GATED:
@@ -366,18 +356,18 @@ def _regs_loop(k_lo, k_hi, n_live, o_n, m_n, w3_rows, p_a, p_wq, p_ws, base_q, b
         if GATED:
             b_we3, b_wo3 = _decode_weights(b_w3, b_s3, FP8_W, BK, DT, DECODE)
         b_a0, b_b0 = _mma_tile(p_a, o_a0, m_r0, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a0, b_b0, GATED, BT, BK,
-                               DT)
+                               DT, False)
         if MT > 1:
             if n_live > 1:
                 b_a1, b_b1 = _mma_tile(p_a, o_a1, m_r1, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a1, b_b1, GATED,
-                                       BT, BK, DT)
+                                       BT, BK, DT, False)
         if MT > 2:
             if n_live > 2:
                 b_a2, b_b2 = _mma_tile(p_a, o_a2, m_r2, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a2, b_b2, GATED,
-                                       BT, BK, DT)
+                                       BT, BK, DT, False)
             if n_live > 3:
                 b_a3, b_b3 = _mma_tile(p_a, o_a3, m_r3, stride_a, k0, K, b_we, b_wo, b_we3, b_wo3, b_a3, b_b3, GATED,
-                                       BT, BK, DT)
+                                       BT, BK, DT, False)
         b_w, b_s, b_w3, b_s3 = b_w_nxt, b_s_nxt, b_w3_nxt, b_s3_nxt
     return b_a0, b_b0, b_a1, b_b1, b_a2, b_b2, b_a3, b_b3
 
@@ -442,24 +432,26 @@ def _chunk(
             b_s_nxt = _load_scales(p_ws, base_s, o_w, m_w, k0 + BK, K, k0 + BK < k_hi, FP8_W, BK)
             b_we, b_wo = _decode_weights(b_w, b_s, FP8_W, BK, DT, DECODE)
             b_s = b_s_nxt
-            b_a0, b_b0 = _mma_tile_rows(p_a, o_a0, m_r0, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a0, b_b0,
-                                        False, BT, BK, DT)
+            b_a0, b_b0 = _mma_tile(p_a, o_a0, m_r0, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a0, b_b0, False,
+                                   BT, BK, DT, True)
             if MT > 1:
                 if n_live > 1:
-                    b_a1, b_b1 = _mma_tile_rows(p_a, o_a1, m_r1, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a1,
-                                                b_b1, False, BT, BK, DT)
+                    b_a1, b_b1 = _mma_tile(p_a, o_a1, m_r1, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a1, b_b1,
+                                           False, BT, BK, DT, True)
             if MT > 2:
                 if n_live > 2:
-                    b_a2, b_b2 = _mma_tile_rows(p_a, o_a2, m_r2, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a2,
-                                                b_b2, False, BT, BK, DT)
+                    b_a2, b_b2 = _mma_tile(p_a, o_a2, m_r2, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a2, b_b2,
+                                           False, BT, BK, DT, True)
                 if n_live > 3:
-                    b_a3, b_b3 = _mma_tile_rows(p_a, o_a3, m_r3, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a3,
-                                                b_b3, False, BT, BK, DT)
+                    b_a3, b_b3 = _mma_tile(p_a, o_a3, m_r3, stride_a, k0, K, b_we, b_wo, b_we, b_wo, b_a3, b_b3,
+                                           False, BT, BK, DT, True)
         if GATED:
             b_a0, b_b0 = _unstack(b_a0, BO, BT)
-            b_a1, b_b1 = _unstack(b_a1, BO, BT)
-            b_a2, b_b2 = _unstack(b_a2, BO, BT)
-            b_a3, b_b3 = _unstack(b_a3, BO, BT)
+            if MT > 1:
+                b_a1, b_b1 = _unstack(b_a1, BO, BT)
+            if MT > 2:
+                b_a2, b_b2 = _unstack(b_a2, BO, BT)
+                b_a3, b_b3 = _unstack(b_a3, BO, BT)
     else:
         b_a0, b_b0, b_a1, b_b1, b_a2, b_b2, b_a3, b_b3 = _regs_loop(
             k_lo, k_hi, n_live, o_n, m_n, w3_rows, p_a, p_wq, p_ws, base_q, base_s, K, stride_a,
