@@ -28,11 +28,15 @@ Then the float linear whose CUDA-core FMA dot was replaced by six bf16 tensor-co
 (kernels/invariant_linear mode 2): the mHC mixes, fp32 x [M, 20480] by fp32 w [24, 20480], timed the same way,
 checked against float64 (2^-18 of sum |x*w|) and for batch invariance.
 
-``--tune`` (longer; not part of the 6-minute run) times launch shapes and reductions per weight shape and prints
-``kernels/fp8_gemm/tuning.py`` entries for this device: the reduction (split_k, mma) minimising the summed time of
-M = 1, 8, 64, then the fastest tile per row bucket for it.
+``--tune`` (instead of the rows) times launches per weight shape, the decode path's call (act_quant + GEMM; the
+float-activation GEMM for wo_a) in CUDA graphs as above: first the tile of each row bucket (16: M = 1 + 8 summed,
+32: M = 32, 64: M = 64; ``TUNE_TILES``) at the shape's current reduction, then the reduction (split_k x MMA form)
+with the lowest worst ratio to the floor over M = 1, 8, 64 with those tiles. The chosen launches are checked
+(tolerance, and rows equal across the buckets' tiles) before they are printed and written to ``--tune-out`` in
+``kernels/fp8_gemm/gemm_configs.json``'s format. ``--jobs`` processes compile the candidate launches first.
 
-Usage: python3 -P benchmarks/fp8_gemm_bench.py --json OUT.json [--tune]   (flashtier importable, TRITON_INTERPRET=0)
+Usage: python3 -P benchmarks/fp8_gemm_bench.py --json OUT.json   (flashtier importable, TRITON_INTERPRET=0)
+       python3 -P benchmarks/fp8_gemm_bench.py --tune --tune-out TABLE.json [--shapes wq_b,wo_b]
        TRITON_INTERPRET=1 python3 -P benchmarks/fp8_gemm_bench.py --smoke  (tiny shapes on the CPU: checks only)
 """
 
@@ -69,11 +73,14 @@ BATCHES = (1, 8, 64)
 TOL = {"fp8": 2**-10, "bf16": 2**-12}
 # dense fp8 tensor-core peak (FLOP/s) by device name; the floor's FLOP term
 FP8_PEAK = {"H100 PCIe": 1513e12, "H100": 1979e12, "H200": 1979e12, "H20": 296e12, "L40S": 733e12}
-TUNE_TILES = {16: [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (16, 128, 128, 8, 4),
-                   (16, 32, 128, 4, 4)],
-              64: [(64, 64, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 64, 8, 4), (64, 256, 64, 8, 3),
-                   (64, 64, 64, 4, 4)]}
+# --tune: (block_n, block_k, warps, stages) tried at every row bucket (block_m = the bucket; the first is the default
+# tile), the batches timed for each bucket, the split-K counts and MMA forms tried for the reduction
+TUNE_TILES = ((64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (64, 128, 4, 6), (64, 64, 4, 8), (64, 128, 8, 4),
+              (128, 64, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 64, 8, 5), (128, 256, 8, 3),
+              (256, 64, 8, 3), (256, 128, 8, 3))
+TUNE_ROWS = {16: (1, 8), 32: (32,), 64: (64,)}
 TUNE_SPLITS = (1, 2, 4, 8, 16, 32)
+MMA_TRIED = ("fp8", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,38 +234,114 @@ def weight_copies(case: Case, l2_bytes: int) -> list[tuple[torch.Tensor, torch.T
     return [(case.w, case.ws)] + [(case.w.clone(), case.ws.clone()) for _ in range(c - 1)]
 
 
-def tune(case: Case, copies, dev_name: str) -> list[str]:
-    """Table entries for one weight shape (the reduction and tiles that were fastest here), as source lines."""
+def _linear(case: Case, cfg: Fp8GemmConfig, cnt: torch.Tensor):
+    """The decode path's call for ``case`` under launch ``cfg``: act_quant + GEMM (quantised linears, the decode
+    path at ``FUSE_MAX_ROWS`` = 0), or the float-activation grouped GEMM (wo_a)."""
+    if case.groups > 1:
+        return lambda x, w, ws: fp8_gemm(x, None, w, ws, groups=case.groups, config=cfg, counters=cnt,
+                                         impl="triton")
+    return lambda x, w, ws: fp8_gemm_fused(x, w, ws, config=cfg, counters=cnt, impl="triton")
+
+
+_CASES: dict[tuple[int, int, int], Case] = {}  # a compile worker's random weights, by shape
+
+
+def _precompile_one(job: tuple) -> None:
+    """Pool worker: compile (into the shared Triton cache) the launch ``job`` = (N, K, groups, rows, config
+    fields, device) by running it once on random data of the real shapes (same specialisations as the timed
+    calls)."""
+    n, k, groups, m, fields, dev = job
+    case = _CASES.get((n, k, groups))
+    if case is None:
+        case = _CASES[(n, k, groups)] = make_case("compile", n, k, groups, 80, dev)
+    _linear(case, Fp8GemmConfig(**fields), split_counters(triton.cdiv(n, 16), dev))(case.x[:m], case.w, case.ws)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def precompile(case: Case, launches: list[tuple[int, Fp8GemmConfig]], jobs: int) -> None:
+    """Compile ``launches`` ((rows, config) pairs) of ``case``'s shape in ``jobs`` processes at once, so the
+    serial timing loop finds them in the Triton cache (compiling one takes seconds; timing it, milliseconds)."""
+    if jobs <= 1 or not launches:
+        return
+    import concurrent.futures
+    import multiprocessing
+    n, k = case.w.shape
+    work = [(n, k, case.groups, m, dataclasses.asdict(cfg), case.x.device.type) for m, cfg in launches]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(work)), mp_context=ctx) as pool:
+        list(pool.map(_precompile_one, work))
+
+
+def tune(case: Case, copies, dev_name: str, rate: float, peak: float, jobs: int) -> tuple[list[dict], list[dict]]:
+    """Table entries for one weight shape (``tuning.read_table``'s format): the fastest tile per row bucket
+    (``TUNE_ROWS``' batches summed) at the shape's current reduction, then the reduction whose worst ratio to
+    the floor over M = 1, 8, 64 is lowest with those tiles; then the chosen launches are checked (tolerance
+    against the reference, and rows of M = 1 and 8 equal to the same rows at M = 64 across the buckets'
+    different tiles). Prints what it times; a check that fails raises (nothing unchecked reaches a table)."""
     n, k = case.w.shape
     dev = case.x.device
     cnt = split_counters(triton.cdiv(n, 16), dev)
-    best_red, best_total = None, float("inf")
-    for mma in ("fp8", "bf16"):
-        for split in TUNE_SPLITS:
-            if k // split < 128:
-                continue
-            total = 0.0
-            for m in BATCHES:
-                tile = tuning.tile_for(m, n, k, dev)
-                cfg = Fp8GemmConfig(tile.block_m, tile.block_n, tile.block_k, split, tile.num_warps, tile.num_stages,
-                                    mma=mma)
-                total += graph_us(lambda x, w, ws: fp8_gemm_fused(x, w, ws, config=cfg, counters=cnt),
-                                  case.x[:m], copies)
-            if total < best_total:
-                best_red, best_total = tuning.Fp8Reduction(split_k=split, mma=mma), total
-    lines = [f"    ({dev_name!r}, {n}, {k}): Fp8Reduction(split_k={best_red.split_k}, mma={best_red.mma!r}),"
-             f"  # {best_total:.1f} us summed over M = 1, 8, 64"]
-    for bucket, grid in TUNE_TILES.items():
-        m = 8 if bucket == 16 else 64
-        timed = []
-        for bm, bn, bk, warps, stages in grid:
-            cfg = Fp8GemmConfig(bm, bn, bk, best_red.split_k, warps, stages, mma=best_red.mma)
-            timed.append((graph_us(lambda x, w, ws: fp8_gemm_fused(x, w, ws, config=cfg, counters=cnt),
-                                   case.x[:m], copies), (bm, bn, bk, warps, stages)))
-        us, (bm, bn, bk, warps, stages) = min(timed)
-        lines.append(f"    ({dev_name!r}, {n}, {k}, {bucket}): Fp8Tile({bm}, {bn}, {bk}, {warps}, {stages}),"
-                     f"  # {us:.1f} us at M={m}")
-    return lines
+    red = tuning.reduction_for(n, k, dev)
+    floor = {m: max(floor_bytes(case, m) / rate, 2 * m * n * case.groups * k / peak) * 1e6 for m in BATCHES}
+
+    def timed(m: int, tile: tuning.Fp8Tile, r: tuning.Fp8Reduction) -> float:
+        cfg = Fp8GemmConfig(tile.block_m, tile.block_n, tile.block_k, r.split_k, tile.num_warps, tile.num_stages,
+                            mma=r.mma)
+        return graph_us(_linear(case, cfg, cnt), case.x[:m], copies)
+
+    def config(tile, r):
+        return Fp8GemmConfig(tile.block_m, tile.block_n, tile.block_k, r.split_k, tile.num_warps, tile.num_stages,
+                             mma=r.mma)
+
+    grids = {b: [tuning.Fp8Tile(b, *t) for t in TUNE_TILES] for b in TUNE_ROWS}
+    precompile(case, [(TUNE_ROWS[b][0], config(t, red)) for b in grids for t in grids[b]], jobs)
+    best_tiles: dict[int, tuning.Fp8Tile] = {}
+    notes: dict[int, str] = {}
+    for b, grid in grids.items():
+        default = tuning.tile_for(TUNE_ROWS[b][0], n, k, dev)
+        times = {t: sum(timed(m, t, red) for m in TUNE_ROWS[b]) for t in grid}
+        best_tiles[b] = min(times, key=times.get)
+        base = times.get(default) or sum(timed(m, default, red) for m in TUNE_ROWS[b])
+        notes[b] = (f"M={'+'.join(map(str, TUNE_ROWS[b]))}: {times[best_tiles[b]]:.1f} us (default tile "
+                    f"{base:.1f} us), split_k {red.split_k} {red.mma}")
+        print(f"  {case.name} rows<={b}: best {best_tiles[b]} {notes[b]}", flush=True)
+    splits = [s for s in TUNE_SPLITS if k // s >= 128]
+    reds = [tuning.Fp8Reduction(split_k=s, mma=mma) for mma in MMA_TRIED for s in splits]
+    bucket = {m: tuning.row_bucket(m) for m in BATCHES}
+    precompile(case, [(m, config(best_tiles[bucket[m]], r)) for r in reds for m in BATCHES], jobs)
+    worst = {}
+    for r in reds:
+        ratios = [timed(m, best_tiles[bucket[m]], r) / floor[m] for m in BATCHES]
+        worst[r] = max(ratios)
+        print(f"  {case.name} {r}: " + " / ".join(f"{v:.2f}x" for v in ratios), flush=True)
+    best = min(worst, key=worst.get)
+    problems = check_launches(case, {m: config(best_tiles[bucket[m]], best) for m in BATCHES}, cnt)
+    if problems:
+        raise RuntimeError(f"{case.name}: the tuned launches fail their checks: {problems}")
+    stamp = f"benchmarks/fp8_gemm_bench.py --tune ({dev_name}) {time.strftime('%Y-%m-%d')}"
+    reductions = [tuning.reduction_entry((dev_name, n, k), best, f"{stamp}: worst ratio over M = 1, 8, 64 "
+                                         f"{worst[best]:.2f}x (current {worst.get(red, float('nan')):.2f}x)")]
+    tiles = [tuning.tile_entry((dev_name, n, k, b), t, f"{stamp}: {notes[b]}") for b, t in best_tiles.items()]
+    return reductions, tiles
+
+
+def check_launches(case: Case, launches: dict[int, Fp8GemmConfig], cnt: torch.Tensor) -> list[str]:
+    """Failures of the launches a tuning run chose (``launches``: rows -> config, one reduction): each within
+    tolerance of the reference at its row count, and the rows of every call equal to the same rows of the
+    largest call (the buckets' tiles differ; the bits must not)."""
+    bad = []
+    top = max(launches)
+    outs = {m: _linear(case, cfg, cnt)(case.x[:m], case.w, case.ws) for m, cfg in launches.items()}
+    form = "bf16" if case.groups > 1 else launches[top].mma
+    ref, bound = reference(case, case.x[:top]), reference(case, case.x[:top], absolute=True)
+    worst = float(((outs[top] - ref).abs() / bound.clamp_min(1e-30)).max())
+    if not worst <= TOL[form]:
+        bad.append(f"{worst:.2e} of sum |a*w| > {TOL[form]:.1e}")
+    for m, y in outs.items():
+        if not torch.equal(y, outs[top][:m]):
+            bad.append(f"rows of an M={m} call differ from the same rows at M={top}")
+    return bad
 
 
 def float_linear_rows(shape: tuple[int, int], dev: str, rate: float, l2: int, bad: list[str]) -> list[dict]:
@@ -294,7 +377,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="write the rows, device and command here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
-    ap.add_argument("--tune", action="store_true", help="also print tuning.py entries for this device")
+    ap.add_argument("--tune", action="store_true",
+                    help="tune instead: time tiles and reductions per shape, check the chosen launches, print them")
+    ap.add_argument("--tune-out", default=None, help="with --tune: write the chosen entries here (gemm_configs.json's "
+                    "format; FLASHTIER_FP8_GEMM_CONFIGS=FILE tries them, then copy them into the checked-in table)")
+    ap.add_argument("--jobs", type=int, default=12, help="with --tune: processes compiling launches before timing")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     args = ap.parse_args()
     dev = "cpu" if args.smoke else "cuda"
@@ -310,7 +397,9 @@ def main() -> int:
     rate, peak = copy_rate(dev), fp8_peak(dev_name)
     print(f"{dev_name}, torch {torch.__version__}, triton {triton.__version__}; copy {rate / 1e12:.3f} TB/s "
           f"(read + write); fp8 dense peak {peak / 1e12:.0f} TFLOP/s (spec)", flush=True)
-    bad, rows, tuned = [], [], []
+    if args.tune:
+        return tune_main(args, shapes, dev, dev_name, l2, rate, peak)
+    bad, rows = [], []
     for name, (n, k, groups) in shapes.items():
         case = make_case(name, n, k, groups, 80, dev)
         found = check(case)
@@ -329,8 +418,6 @@ def main() -> int:
             rows.append(row)
             print(f"{name:>11} M={m:<3} floor {floor_us:7.2f} us  " + "  ".join(
                 f"{v} {row['us'][v]:.1f} ({row['ratio'][v]:.2f}x)" for v in row["us"]), flush=True)
-        if args.tune and groups == 1 and dev == "cuda":
-            tuned += tune(case, copies, dev_name)
         del case, copies
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -343,17 +430,32 @@ def main() -> int:
                 for v, us in r["us"].items():
                     sums[v] = sums.get(v, 0.0) + us
         print(f"  M={m:<3} " + "  ".join(f"{v} {us:.1f}" for v, us in sums.items()))
-    if tuned:
-        print("\ntuning.py entries for this device (TUNED_REDUCTIONS lines, then TUNED_TILES lines):")
-        print("\n".join(tuned))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=dev_name, torch=torch.__version__, triton=triton.__version__,
                            command="python3 -P " + " ".join(sys.argv), copy_TBps=round(rate / 1e12, 3),
                            fp8_peak_TFLOPs=round(peak / 1e12), meaning=" ".join(__doc__.split("\n\n")[1:5]),
-                           rows=rows, mhc_rows=mhc_rows, tuned=tuned, failed_checks=bad), f, indent=1)
+                           rows=rows, mhc_rows=mhc_rows, failed_checks=bad), f, indent=1)
     print(f"\n{len(bad)} check(s) failed" + "".join(f"\n  {b}" for b in bad))
     return 1 if bad else 0
+
+
+def tune_main(args, shapes, dev: str, dev_name: str, l2: int, rate: float, peak: float) -> int:
+    """``--tune``: every shape's entries, printed and written to ``--tune-out``."""
+    table = {"reductions": [], "tiles": []}
+    for name, (n, k, groups) in shapes.items():
+        case = make_case(name, n, k, groups, 80, dev)
+        reductions, tiles = tune(case, weight_copies(case, l2), dev_name, rate, peak, args.jobs)
+        table["reductions"] += reductions
+        table["tiles"] += tiles
+        if args.tune_out:  # after every shape: a run cut short keeps what it finished
+            with open(args.tune_out, "w") as f:
+                json.dump(table, f, indent=1)
+        del case
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    print(json.dumps(table, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

@@ -130,7 +130,8 @@ def child(args) -> dict:
         print("PROGRESS " + json.dumps({"mode": args.mode, **rows[-1]}), flush=True)
     return {"mode": args.mode, "built_s": built, "ready_s": ready,
             "warmup_s": None if report is None else report.total_s,
-            "warmup_sizes": None if report is None else list(report.sizes), "rows": rows}
+            "warmup_sizes": None if report is None else list(report.sizes),
+            "warmup_size_s": None if report is None else [round(t, 3) for t in report.seconds], "rows": rows}
 
 
 def main() -> None:

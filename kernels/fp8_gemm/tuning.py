@@ -8,15 +8,28 @@ Two kinds of choice, kept apart because only one of them may follow the batch:
 - ``Fp8Tile`` (rows per program, K step, warps, stages) changes which programs compute an element, not how it is
   summed, so it may follow the row count: ``TUNED_TILES`` is keyed by a row bucket as well.
 
-Both tables are filled from ``benchmarks/fp8_gemm_bench.py --tune`` (it prints the entries for the device it
-runs on); an entry changes a GPU's results bit for bit only through ``Fp8Reduction``. Device keys are
-``torch.cuda.get_device_name`` strings; the CPU interpreter is keyed "cpu". Nothing here holds state.
+Both tables are read from ``gemm_configs.json`` beside this module (checked in; ``benchmarks/fp8_gemm_bench.py
+--tune --tune-out FILE`` writes one from timings on the device it runs on), then entry by entry from the file
+named in the environment variable ``FLASHTIER_FP8_GEMM_CONFIGS`` if set (one's own tuning run), once, at
+import; a malformed file raises ValueError naming it. An entry changes a GPU's results bit for bit only through
+``Fp8Reduction``. Device keys are ``torch.cuda.get_device_name`` strings; the CPU interpreter is keyed "cpu".
+
+    {"reductions": [{"device": "NVIDIA H100 80GB HBM3", "n": 32768, "k": 1280, "split_k": 1, "mma": "fp8",
+                     "note": "..."}],
+     "tiles": [{"device": ..., "n": 32768, "k": 1280, "rows": 64, "block_m": 64, "block_n": 128, "block_k": 128,
+                "num_warps": 8, "num_stages": 3, "note": "..."}]}
+
+Nothing here changes after import (the tables are module dicts: a test may patch an entry).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -56,12 +69,58 @@ class Fp8Tile:
     num_warps: int
     num_stages: int
 
+    def __post_init__(self) -> None:
+        pow2 = lambda v: isinstance(v, int) and v > 0 and not v & (v - 1)  # noqa: E731
+        if not (pow2(self.block_m) and self.block_m >= 16 and pow2(self.block_n) and self.block_n >= 16
+                and pow2(self.block_k) and self.block_k >= 32 and self.num_warps in (1, 2, 4, 8, 16)
+                and isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"Fp8Tile: block_m, block_n >= 16, block_k >= 32 (powers of two), num_warps a power "
+                             f"of two <= 16, num_stages >= 1; got {self}")
 
-# (device name, N, K per group) -> reduction. Empty until a tuning run on that device fills it: the default
-# rule below is what every GPU result so far was measured with.
-TUNED_REDUCTIONS: dict[tuple[str, int, int], Fp8Reduction] = {}
-# (device name, N, K per group, row bucket) -> tile; row bucket = row_bucket(M).
-TUNED_TILES: dict[tuple[str, int, int, int], Fp8Tile] = {}
+
+TABLE = Path(__file__).with_name("gemm_configs.json")
+ENV_TABLE = "FLASHTIER_FP8_GEMM_CONFIGS"
+ReductionKey = tuple[str, int, int]  # (device name, N, K per group)
+TileKey = tuple[str, int, int, int]  # (device name, N, K per group, row bucket = row_bucket(M))
+
+
+def read_table(path: Path) -> tuple[dict[ReductionKey, Fp8Reduction], dict[TileKey, Fp8Tile]]:
+    """The reductions and tiles of one table file (module docstring). Raises ValueError naming ``path`` when it
+    cannot be read or an entry is malformed."""
+    try:
+        doc = json.loads(path.read_text())
+        reductions = {(str(e["device"]), int(e["n"]), int(e["k"])): Fp8Reduction(int(e["split_k"]), str(e["mma"]))
+                      for e in doc.get("reductions", [])}
+        tiles = {(str(e["device"]), int(e["n"]), int(e["k"]), int(e["rows"])):
+                 Fp8Tile(*(int(e[f.name]) for f in dataclasses.fields(Fp8Tile))) for e in doc.get("tiles", [])}
+        return reductions, tiles
+    except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"fp8 gemm config table {path}: {exc}") from exc
+
+
+def reduction_entry(key: ReductionKey, red: Fp8Reduction, note: str) -> dict:
+    """One ``reductions`` entry of a table file (what ``--tune-out`` writes)."""
+    return dict(device=key[0], n=key[1], k=key[2], split_k=red.split_k, mma=red.mma, note=note)
+
+
+def tile_entry(key: TileKey, tile: Fp8Tile, note: str) -> dict:
+    """One ``tiles`` entry of a table file."""
+    return dict(device=key[0], n=key[1], k=key[2], rows=key[3], **dataclasses.asdict(tile), note=note)
+
+
+def _tables() -> tuple[dict[ReductionKey, Fp8Reduction], dict[TileKey, Fp8Tile]]:
+    reductions, tiles = read_table(TABLE) if TABLE.is_file() else ({}, {})
+    override = os.environ.get(ENV_TABLE)
+    if override:
+        more = read_table(Path(override))
+        reductions.update(more[0])
+        tiles.update(more[1])
+    return reductions, tiles
+
+
+# (device name, N, K per group) -> reduction; anything missing gets ``default_reduction``.
+# (device name, N, K per group, row bucket) -> tile; anything missing gets ``tile_for``'s default.
+TUNED_REDUCTIONS, TUNED_TILES = _tables()
 
 DECODE_ROWS = 64  # up to this many rows: one M tile (the weight is read once), splits as separate programs
 PREFILL_TILE = Fp8Tile(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)

@@ -54,9 +54,9 @@ def test_warm_up_leaves_nothing_behind_and_changes_no_answer(tmp_path, fresh_tok
         report = warm_up(engine, sizes=(1, 3))
         del engine.add_request
         assert report.sizes == (1, 3) and len(report.seconds) == 2
-        # one block + 8 at each size; at the smallest also 4 blocks, 4 blocks + 16, the whole token budget (512)
-        # and two budgets + 24, capped by half the pool (96 blocks of 16) less its decode steps: 2 chunks
-        assert report.long_prompts == (64, 80, 512, 755) and lengths == [24, 64, 80, 512, 755, 24, 24, 24], lengths
+        # one block + 8 at the smallest size, then 4 blocks, 4 blocks + 16, the whole token budget (512) and two
+        # budgets + 24, capped by half the pool (96 blocks of 16) less its decode steps: 2 chunks; 8 at larger sizes
+        assert report.long_prompts == (64, 80, 512, 755) and lengths == [24, 64, 80, 512, 755, 8, 8, 8], lengths
         assert not engine.has_unfinished() and engine.scheduler.requests == {}
         assert engine.scheduler.stats is stats and stats == stats_before and engine.prompt_tokens == prompt_tokens
         assert engine.scheduler.tiers is not None  # reattached

@@ -14,7 +14,10 @@ The equality checks can fail: one activation moved by one ulp off an e4m3 roundi
 """
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,6 +159,45 @@ def test_tuned_reduction_is_keyed_by_shape_and_device_only(monkeypatch):
     tile = tuning.Fp8Tile(block_m=64, block_n=128, block_k=256, num_warps=8, num_stages=3)
     monkeypatch.setitem(tuning.TUNED_TILES, ("cpu", 512, 4096, 64), tile)
     assert default_config(40, 512, 4096, dev).block_n == 128 and default_config(8, 512, 4096, dev).block_n == 64
+
+
+def test_checked_in_table_reads_and_entries_round_trip(tmp_path):
+    reductions, tiles = tuning.read_table(tuning.TABLE)  # the checked-in table parses
+    assert all(k in tuning.TUNED_REDUCTIONS for k in reductions) and all(k in tuning.TUNED_TILES for k in tiles)
+    key = ("NVIDIA Test GPU", 512, 4096)
+    red, tile = tuning.Fp8Reduction(split_k=4, mma="bf16"), tuning.Fp8Tile(64, 128, 64, 8, 5)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"reductions": [tuning.reduction_entry(key, red, "n")],
+                                "tiles": [tuning.tile_entry(key + (64,), tile, "n")]}))
+    assert tuning.read_table(path) == ({key: red}, {key + (64,): tile})
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ("{", "Expecting"), ('{"reductions": [{"device": "x", "n": 1}]}', "'k'"),
+    ('{"reductions": [{"device": "x", "n": 1, "k": 32, "split_k": 0, "mma": "fp8"}]}', "split_k"),
+    ('{"tiles": [{"device": "x", "n": 1, "k": 32, "rows": 16, "block_m": 16, "block_n": 48, "block_k": 64, '
+     '"num_warps": 4, "num_stages": 3}]}', "Fp8Tile"),
+])
+def test_malformed_table_raises_naming_the_file(tmp_path, doc, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(doc)
+    with pytest.raises(ValueError, match=needle) as err:
+        tuning.read_table(path)
+    assert str(path) in str(err.value)
+
+
+def test_override_file_replaces_entries_in_a_fresh_process(tmp_path):
+    key = ("cpu", 512, 4096)
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"reductions": [tuning.reduction_entry(key, tuning.Fp8Reduction(5, "bf16"), "")]}))
+    code = ("import torch; from flashtier.kernels.fp8_gemm.kernel import default_config as d; "
+            "c = d(8, 512, 4096, torch.device('cpu')); print(c.split_k, c.mma)")
+    env = {**os.environ, tuning.ENV_TABLE: str(path)}
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["5", "bf16"]
+    env[tuning.ENV_TABLE] = str(tmp_path / "missing.json")
+    bad = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "missing.json" in bad.stderr
 
 
 @pytest.mark.parametrize("kw, needle", [
