@@ -139,8 +139,8 @@ def kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
 
 
 def profile_ops(engine: Engine, device: torch.device) -> dict[str, float]:
-    """Run one ``engine.step()`` under torch.profiler: the 15 ops with the most self time (ms, device time on
-    CUDA, CPU time otherwise). A profiler that cannot start returns {"profiler failed": reason}."""
+    """Run one ``engine.step()`` under torch.profiler: the sum over all ops ("(all ops)") and the 15 ops with the
+    most self time (ms, device time on CUDA, CPU time otherwise). A profiler that cannot start returns {"profiler failed": reason}."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -152,4 +152,5 @@ def profile_ops(engine: Engine, device: torch.device) -> dict[str, float]:
         return {"profiler failed": str(exc)[:80]}
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     ops = sorted(((e.key, getattr(e, key) / 1e3) for e in prof.key_averages()), key=lambda kv: -kv[1])
-    return {k[:60]: round(v, 3) for k, v in ops[:15]}
+    # "(all ops)": the step's whole device time; the step's wall time less this is host time the GPU waited on
+    return {"(all ops)": round(sum(v for _, v in ops), 3)} | {k[:60]: round(v, 3) for k, v in ops[:15]}

@@ -285,14 +285,12 @@ def tune(case: Case, copies, dev_name: str, rate: float, peak: float, jobs: int)
     red = tuning.reduction_for(n, k, dev)
     floor = {m: max(floor_bytes(case, m) / rate, 2 * m * n * case.groups * k / peak) * 1e6 for m in BATCHES}
 
-    def timed(m: int, tile: tuning.Fp8Tile, r: tuning.Fp8Reduction) -> float:
-        cfg = Fp8GemmConfig(tile.block_m, tile.block_n, tile.block_k, r.split_k, tile.num_warps, tile.num_stages,
-                            mma=r.mma)
-        return graph_us(_linear(case, cfg, cnt), case.x[:m], copies)
-
-    def config(tile, r):
+    def config(tile: tuning.Fp8Tile, r: tuning.Fp8Reduction) -> Fp8GemmConfig:
         return Fp8GemmConfig(tile.block_m, tile.block_n, tile.block_k, r.split_k, tile.num_warps, tile.num_stages,
                              mma=r.mma)
+
+    def timed(m: int, tile: tuning.Fp8Tile, r: tuning.Fp8Reduction) -> float:
+        return graph_us(_linear(case, config(tile, r), cnt), case.x[:m], copies)
 
     grids = {b: [tuning.Fp8Tile(b, *t) for t in TUNE_TILES] for b in TUNE_ROWS}
     precompile(case, [(TUNE_ROWS[b][0], config(t, red)) for b in grids for t in grids[b]], jobs)
