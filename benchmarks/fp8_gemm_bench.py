@@ -9,10 +9,11 @@ fp32 activations x [M, K] (what the model hands the linear), each variant comput
     fused_bits         the same with the quantiser's integer rounding instead of the hardware conversion
     fused_bf16mma      one launch, operands decoded to bf16 with the scales folded in, one MMA chain (other bits)
 
-wo_a (grouped, activation not quantised) runs its one form (``fp8_gemm`` with float x) as ``float_act``.
+wo_a (grouped, activation not quantised) runs its one form (``fp8_gemm`` with bf16 x, as a bf16 model calls it) as
+``float_act``.
 
     floor_us = max(bytes / copy rate, 2 M N K / fp8 dense peak)
-    bytes    = weight + weight scales + x (fp32) + y (fp32): what any implementation must move once
+    bytes    = weight + weight scales + x (fp32; bf16 for wo_a) + y (fp32): what any implementation must move once
     copy rate= bytes read + written by a 2 GiB device-to-device copy, measured in this run
     ratio    = us / floor_us (the goal: <= 1.3 at M = 1, 8, 64)
 
@@ -90,7 +91,7 @@ class Case:
     name: str
     w: torch.Tensor  # uint8 e4m3 codes [N, K per group]
     ws: torch.Tensor  # uint8 e8m0 [N / 32, K per group / 32]
-    x: torch.Tensor  # fp32 [max batch, groups * K]
+    x: torch.Tensor  # [max batch, groups * K]: fp32 (quantised linears), bf16 (grouped: wo_a)
     groups: int
 
 
@@ -100,7 +101,8 @@ def make_case(name: str, n: int, k: int, groups: int, rows: int, dev: str, seed:
     ws = torch.randint(118, 131, (-(-n // 32), k // 32), generator=g, dtype=torch.uint8, device=dev)
     spread = torch.exp2(torch.randint(-6, 6, (rows, groups * k // 32), generator=g, device=dev).float())
     x = torch.randn(rows, groups * k, generator=g, device=dev) * spread.repeat_interleave(32, 1)
-    return Case(name, w, ws, x, groups)
+    # the grouped linear (wo_a) reads a bf16 model's activations as bf16 (Fp8Linear.grouped)
+    return Case(name, w, ws, x.to(torch.bfloat16) if groups > 1 else x, groups)
 
 
 def variants(case: Case, m: int) -> dict:
@@ -226,7 +228,7 @@ def fp8_peak(name: str) -> float:
 
 def floor_bytes(case: Case, m: int) -> int:
     n, k = case.w.shape
-    return case.w.numel() + case.ws.numel() + m * case.groups * k * 4 + m * n * 4
+    return case.w.numel() + case.ws.numel() + m * case.groups * k * case.x.element_size() + m * n * 4
 
 
 def weight_copies(case: Case, l2_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -119,7 +119,11 @@ class Fp8Linear(nn.Module):
         if not o.is_cuda:
             wa = self.dequantized().view(groups, -1, o.shape[-1])
             return up(torch.einsum("tgd,grd->tgr", o.to(wa.dtype), wa))
-        y = fp8_gemm(o.reshape(t, -1).float(), None, self.weight_q, self.weight_scale, block_n=32,
+        # in the compute dtype, as the official bf16 einsum and the CPU path above read it: a bf16 model's o is
+        # rounded to bf16 (one MMA per block, half the activation bytes), an fp32 model's stays fp32 (the kernel
+        # splits it into bf16 high + low parts: two MMAs)
+        a = o.reshape(t, -1).to(torch.bfloat16 if self.compute_dtype == torch.bfloat16 else torch.float32)
+        y = fp8_gemm(a, None, self.weight_q, self.weight_scale, block_n=32,
                      groups=groups, out_dtype=torch.float32, counters=self.split_counters)
         return y.to(up(o[:0]).dtype).view(t, groups, -1)
 
