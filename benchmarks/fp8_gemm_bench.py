@@ -32,7 +32,8 @@ checked against float64 (2^-18 of sum |x*w|) and for batch invariance.
 ``--tune`` (instead of the rows) times launches per weight shape, the decode path's call (act_quant + GEMM; the
 float-activation GEMM for wo_a) in CUDA graphs as above: first the tile of each row bucket (16: M = 1 + 8 summed,
 32: M = 32, 64: M = 64; ``TUNE_TILES``) at the shape's current reduction, then the reduction (split_k x MMA form)
-with the lowest worst ratio to the floor over M = 1, 8, 64 with those tiles. The chosen launches are checked
+with the lowest worst ratio to the floor over M = 1, 8, 64 with those tiles, then whether each bucket's tile
+quantises inside the GEMM's loads (one launch) or launches act_quant first. The chosen launches are checked
 (tolerance, and rows equal across the buckets' tiles) before they are printed and written to ``--tune-out`` in
 ``kernels/fp8_gemm/gemm_configs.json``'s format. ``--jobs`` processes compile the candidate launches first.
 
@@ -237,8 +238,8 @@ def weight_copies(case: Case, l2_bytes: int) -> list[tuple[torch.Tensor, torch.T
 
 
 def _linear(case: Case, cfg: Fp8GemmConfig, cnt: torch.Tensor):
-    """The decode path's call for ``case`` under launch ``cfg``: act_quant + GEMM (quantised linears, the decode
-    path at ``FUSE_MAX_ROWS`` = 0), or the float-activation grouped GEMM (wo_a)."""
+    """The decode path's call for ``case`` under launch ``cfg``: ``fp8_gemm_fused`` (act_quant + GEMM, or one
+    launch when ``cfg.fuse``) for the quantised linears, the float-activation grouped GEMM for wo_a."""
     if case.groups > 1:
         return lambda x, w, ws: fp8_gemm(x, None, w, ws, groups=case.groups, config=cfg, counters=cnt,
                                          impl="triton")
@@ -289,7 +290,7 @@ def tune(case: Case, copies, dev_name: str, rate: float, peak: float, jobs: int)
 
     def config(tile: tuning.Fp8Tile, r: tuning.Fp8Reduction) -> Fp8GemmConfig:
         return Fp8GemmConfig(tile.block_m, tile.block_n, tile.block_k, r.split_k, tile.num_warps, tile.num_stages,
-                             mma=r.mma)
+                             mma=r.mma, fuse=tile.fuse)
 
     def timed(m: int, tile: tuning.Fp8Tile, r: tuning.Fp8Reduction) -> float:
         return graph_us(_linear(case, config(tile, r), cnt), case.x[:m], copies)
@@ -333,6 +334,13 @@ def tune(case: Case, copies, dev_name: str, rate: float, peak: float, jobs: int)
             notes[b] += f"; fastest tile with the bits of M = {top} under {best}: {keep}"
             print(f"  {case.name} rows<={b}: {best_tiles[b]} changes the bits under {best}; takes {keep}", flush=True)
             best_tiles[b] = keep
+    if case.groups == 1:  # quantise inside the GEMM's loads where one launch beats two (same bits)
+        for b, tile in best_tiles.items():
+            fused = dataclasses.replace(tile, fuse=True)
+            two, one = (sum(timed(m, t, best) for m in TUNE_ROWS[b]) for t in (tile, fused))
+            notes[b] += f"; act_quant + GEMM {two:.1f} us, quantised in the loads {one:.1f} us"
+            if one < two:
+                best_tiles[b] = fused
     problems = check_launches(case, {m: config(best_tiles[bucket[m]], best) for m in BATCHES}, cnt)
     if problems:
         raise RuntimeError(f"{case.name}: the tuned launches fail their checks: {problems}")
@@ -406,7 +414,7 @@ def main() -> int:
     dev = "cpu" if args.smoke else "cuda"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
-        shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
+        shapes = {k: shapes[k] for k in args.shapes.split(",") if k in shapes}  # in the order given
     torch.backends.cuda.matmul.allow_tf32 = False
     if dev == "cuda":
         props = torch.cuda.get_device_properties(0)

@@ -69,8 +69,9 @@ QUANT_FORMS = ("cvt", "bits")
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """A whole launch: tile (``block_m`` / ``block_n`` >= 16, ``block_k`` a multiple of 32, warps, stages), the
-    reduction order (``split_k``, ``mma``: see ``tuning.Fp8Reduction``) and the e4m3 rounding of in-kernel
-    activation quantisation (``quant``: "cvt" hardware conversion or "bits" integer path; same bits)."""
+    reduction order (``split_k``, ``mma``: see ``tuning.Fp8Reduction``), the e4m3 rounding of in-kernel
+    activation quantisation (``quant``: "cvt" hardware conversion or "bits" integer path; same bits) and
+    whether ``fp8_gemm_fused`` quantises inside the loads (``fuse``; same bits)."""
 
     block_m: int = 16  # activation rows per program (the swapped MMA's N)
     block_n: int = 64  # weight rows per program (the swapped MMA's M)
@@ -80,6 +81,7 @@ class Fp8GemmConfig:
     num_stages: int = 4
     mma: str = "fp8"
     quant: str = "cvt"
+    fuse: bool = False
 
     def __post_init__(self) -> None:
         pow2 = lambda v: isinstance(v, int) and v > 0 and not v & (v - 1)  # noqa: E731
@@ -98,7 +100,8 @@ def default_config(m: int, n: int, kw: int, device: torch.device) -> Fp8GemmConf
     count as well (``tuning.tile_for``). No autotuning at run time."""
     red, tile = reduction_for(n, kw, device), tile_for(m, n, kw, device)
     return Fp8GemmConfig(block_m=tile.block_m, block_n=tile.block_n, block_k=tile.block_k, split_k=red.split_k,
-                         num_warps=tile.num_warps, num_stages=tile.num_stages, mma=red.mma)
+                         num_warps=tile.num_warps, num_stages=tile.num_stages, mma=red.mma,
+                         fuse=tile.fuse and m <= DECODE_ROWS)
 
 
 @triton.jit

@@ -7,11 +7,12 @@
     y = fp8_gemm_fused(x, w_q, w_scale)                             the same y (same bits on the same device) in
                                                                     one launch: x quantised as it is loaded
 
-``fp8_gemm_fused`` is the official ``linear()`` of an FP8 weight (``act_quant`` then ``fp8_gemm``). Up to
-``FUSE_MAX_ROWS`` rows (0 today: measured slower on an H100, see its comment) the quantisation runs inside the GEMM's loads, so no codes reach memory and
-there is no second launch; above it (prefill, where every N tile would quantise the same rows again) it runs
-``act_quant`` once and then the GEMM. The GEMM's instructions are the same either way (``kernel.py``), so the
-switch changes no bits.
+``fp8_gemm_fused`` is the official ``linear()`` of an FP8 weight (``act_quant`` then ``fp8_gemm``). Where the
+launch table says so (``Fp8Tile.fuse``, per weight shape, device and decode row bucket: a tuning run measured it
+faster there) the quantisation runs inside the GEMM's loads, so no codes reach memory and there is no second
+launch; elsewhere (prefill always, where every N tile would quantise the same rows again) it runs ``act_quant``
+once and then the GEMM. The GEMM's instructions are the same either way (``kernel.py``), so the switch changes
+no bits.
 
 Inputs:
 
@@ -40,20 +41,13 @@ import torch
 from flashtier.kernels.fp8_gemm.kernel import (
     Fp8GemmConfig, default_config, fp8_gemm_triton, fp8_scaled_mma, split_counters,
 )
-from flashtier.kernels.fp8_gemm.tuning import DECODE_ROWS
 from flashtier.kernels.quant.common import resolve_impl
 from flashtier.kernels.fp8_gemm.reference import fp8_gemm_reference
 from flashtier.kernels.quant.fp8 import quantize_fp8
 
-__all__ = ["FUSE_MAX_ROWS", "Fp8GemmConfig", "act_quant", "default_config", "fp8_gemm", "fp8_gemm_fused",
+__all__ = ["Fp8GemmConfig", "act_quant", "default_config", "fp8_gemm", "fp8_gemm_fused",
            "fp8_scaled_mma", "split_counters"]
 
-# Rows up to which fp8_gemm_fused quantises inside the GEMM. 0: never, as measured on an H100
-# (docs/perf/fp8_gemm.json, flash-16e's wq_b / wkv / wo_b): the in-load quantisation costs more than the launch it
-# saves (sum over the three shapes, us: fused 77.7 / 77.9 / 288.9 vs act_quant + GEMM 65.8 / 74.8 / 163.8 at
-# 1 / 8 / 64 rows; every N tile re-quantises the same rows). The fused kernel stays, tested bit-equal, for cards
-# where a tuning run finds it faster.
-FUSE_MAX_ROWS = 0
 
 _OP = "fp8_gemm"
 _CODE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -161,13 +155,13 @@ def fp8_gemm_fused(
     fuse: bool | None = None,
 ) -> torch.Tensor:
     """``fp8_gemm(*act_quant(x), w, w_scale)`` for ``x [M, K]`` fp32 / bf16: ``y [M, N]``, a new tensor.
-    ``fuse``: quantise inside the GEMM's loads (True) or launch the quantiser first (False); None: fused up to
-    ``FUSE_MAX_ROWS`` rows. The bits are the same either way.
+    ``fuse``: quantise inside the GEMM's loads (True) or launch the quantiser first (False); None: as the launch
+    says (``config.fuse``, else the table's tile for this row count). The bits are the same either way.
 
     Same arguments and failures as ``fp8_gemm`` (``groups`` 1: the quantised linears are not grouped);
     ``counters`` as there (mutated, left zeroed). The reference quantises with ``quantize_fp8`` and runs
     ``fp8_gemm_reference``: bit-identical to the two calls. The Triton path quantises each 1 x 32 block of x in
-    registers by the quantiser's own rule (rows <= ``FUSE_MAX_ROWS``) or launches it first (more rows).
+    registers by the quantiser's own rule (fused) or launches it first.
 
     Example::
 
@@ -180,7 +174,7 @@ def fp8_gemm_fused(
     impl = resolve_impl(impl, x, _OP)
     w, w_scale = _raw(w), _raw(w_scale)
     if fuse is None:
-        fuse = x.shape[0] <= FUSE_MAX_ROWS
+        fuse = impl != "reference" and (config or default_config(x.shape[0], *w.shape, x.device)).fuse
     if impl == "reference" or not fuse:
         codes, scales = quantize_fp8(x.contiguous(), impl=impl)
         return fp8_gemm(codes, scales, w, w_scale, block_n=block_n, out_dtype=out_dtype, impl=impl, config=config,

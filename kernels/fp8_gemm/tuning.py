@@ -17,7 +17,7 @@ import; a malformed file raises ValueError naming it. An entry changes a GPU's r
     {"reductions": [{"device": "NVIDIA H100 80GB HBM3", "n": 32768, "k": 1280, "split_k": 1, "mma": "fp8",
                      "note": "..."}],
      "tiles": [{"device": ..., "n": 32768, "k": 1280, "rows": 64, "block_m": 64, "block_n": 128, "block_k": 128,
-                "num_warps": 8, "num_stages": 3, "note": "..."}]}
+                "num_warps": 8, "num_stages": 3, "fuse": false, "note": "..."}]}
 
 Nothing here changes after import (the tables are module dicts: a test may patch an entry).
 """
@@ -61,21 +61,24 @@ class Fp8Reduction:
 @dataclass(frozen=True)
 class Fp8Tile:
     """Which programs compute what (not part of the bits): ``block_m`` activation rows (the swapped MMA's N, >= 16),
-    ``block_n`` weight rows (its M), ``block_k`` K per loop step (a multiple of 32), warps and pipeline stages."""
+    ``block_n`` weight rows (its M), ``block_k`` K per loop step (a multiple of 32), warps and pipeline stages;
+    ``fuse``: ``fp8_gemm_fused`` quantises the activation inside the GEMM's loads (one launch, every N tile
+    quantising the same rows again) instead of launching ``act_quant`` first (same bits either way)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    fuse: bool = False
 
     def __post_init__(self) -> None:
         pow2 = lambda v: isinstance(v, int) and v > 0 and not v & (v - 1)  # noqa: E731
         if not (pow2(self.block_m) and self.block_m >= 16 and pow2(self.block_n) and self.block_n >= 16
                 and pow2(self.block_k) and self.block_k >= 32 and self.num_warps in (1, 2, 4, 8, 16)
-                and isinstance(self.num_stages, int) and self.num_stages >= 1):
+                and isinstance(self.num_stages, int) and self.num_stages >= 1 and isinstance(self.fuse, bool)):
             raise ValueError(f"Fp8Tile: block_m, block_n >= 16, block_k >= 32 (powers of two), num_warps a power "
-                             f"of two <= 16, num_stages >= 1; got {self}")
+                             f"of two <= 16, num_stages >= 1, fuse a bool; got {self}")
 
 
 TABLE = Path(__file__).with_name("gemm_configs.json")
@@ -92,7 +95,8 @@ def read_table(path: Path) -> tuple[dict[ReductionKey, Fp8Reduction], dict[TileK
         reductions = {(str(e["device"]), int(e["n"]), int(e["k"])): Fp8Reduction(int(e["split_k"]), str(e["mma"]))
                       for e in doc.get("reductions", [])}
         tiles = {(str(e["device"]), int(e["n"]), int(e["k"]), int(e["rows"])):
-                 Fp8Tile(*(int(e[f.name]) for f in dataclasses.fields(Fp8Tile))) for e in doc.get("tiles", [])}
+                 Fp8Tile(*(int(e[name]) for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages")),
+                         fuse=e.get("fuse", False)) for e in doc.get("tiles", [])}
         return reductions, tiles
     except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"fp8 gemm config table {path}: {exc}") from exc
@@ -164,7 +168,8 @@ def row_bucket(m: int) -> int:
 
 def tile_for(m: int, n: int, kw: int, device: torch.device) -> Fp8Tile:
     """Tile shape for ``m`` rows of weight ``[n, kw]``: the tuned entry of its row bucket, else 64 weight rows x
-    128 of K per step with the bucket's rows (decode), or 128 x 128 (prefill)."""
+    128 of K per step with the bucket's rows (decode), or 128 x 128 (prefill); ``act_quant`` launched first
+    unless the entry fuses (never above ``DECODE_ROWS``, where every N tile would quantise the same rows)."""
     bucket = row_bucket(m)
     tuned = TUNED_TILES.get((device_key(device), n, kw, bucket))
     if tuned is not None:

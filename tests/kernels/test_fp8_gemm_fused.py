@@ -7,8 +7,8 @@ What must hold, and how tight:
 - the reference path is ``quantize_fp8`` + ``fp8_gemm_reference`` bit for bit (it is defined so);
 - against that reference: 2^-20 of sum |a*w| (fp32 summation order of the interpreter's dots, as in
   tests/kernels/test_fp8_gemm.py);
-- a row's bits do not depend on the batch: rows alone == the same rows of a 70-row call (which crosses
-  ``FUSE_MAX_ROWS``: a quantise launch, then splits inside each program).
+- a row's bits do not depend on the batch: rows alone (fused) == the same rows of a 70-row call (a quantise
+  launch, then splits inside each program: what prefill runs).
 The equality checks can fail: one activation moved by one ulp off an e4m3 rounding tie changes the output
 (``test_a_one_ulp_change_at_a_tie_is_seen``). The GPU counterparts are in tests/kernels/test_fp8_gemm.py (-m gpu).
 """
@@ -22,10 +22,11 @@ import sys
 import pytest
 import torch
 
+from flashtier.kernels.fp8_gemm import op as op_module
 from flashtier.kernels.fp8_gemm import tuning
 from flashtier.kernels.fp8_gemm.kernel import fp8_gemm_triton
 from flashtier.kernels.fp8_gemm.op import (
-    FUSE_MAX_ROWS, Fp8GemmConfig, act_quant, default_config, fp8_gemm, fp8_gemm_fused, split_counters,
+    Fp8GemmConfig, act_quant, default_config, fp8_gemm, fp8_gemm_fused, split_counters,
 )
 from flashtier.kernels.quant.fp8 import quantize_fp8
 from flashtier.kernels.quant.fp8_weight import as_raw_bytes, quantize_fp8_weight
@@ -159,13 +160,28 @@ def test_tuned_reduction_is_keyed_by_shape_and_device_only(monkeypatch):
     tile = tuning.Fp8Tile(block_m=64, block_n=128, block_k=256, num_warps=8, num_stages=3)
     monkeypatch.setitem(tuning.TUNED_TILES, ("cpu", 512, 4096, 64), tile)
     assert default_config(40, 512, 4096, dev).block_n == 128 and default_config(8, 512, 4096, dev).block_n == 64
+    assert not default_config(40, 512, 4096, dev).fuse
+
+
+def test_a_fused_tile_quantises_in_the_loads_for_its_bucket_only(monkeypatch):
+    x, wq, ws = make(70, 40, 128, seed=8)
+    monkeypatch.setitem(tuning.TUNED_TILES, ("cpu", 40, 128, 16), tuning.Fp8Tile(16, 64, 128, 4, 4, fuse=True))
+    launched = []
+    real = op_module.fp8_gemm_triton
+    monkeypatch.setattr(op_module, "fp8_gemm_triton", lambda *a, **k: (launched.append(k.get("quantize_a", False)),
+                                                                        real(*a, **k))[1])
+    two = fp8_gemm_fused(x[:8], wq, ws, fuse=False, impl="triton")
+    one = fp8_gemm_fused(x[:8], wq, ws, impl="triton")  # bucket 16: the table fuses
+    full = fp8_gemm_fused(x, wq, ws, impl="triton")  # 70 rows: prefill, act_quant first
+    assert launched == [False, True, False]
+    assert torch.equal(one, two) and torch.equal(full[:8], one)
 
 
 def test_checked_in_table_reads_and_entries_round_trip(tmp_path):
     reductions, tiles = tuning.read_table(tuning.TABLE)  # the checked-in table parses
     assert all(k in tuning.TUNED_REDUCTIONS for k in reductions) and all(k in tuning.TUNED_TILES for k in tiles)
     key = ("NVIDIA Test GPU", 512, 4096)
-    red, tile = tuning.Fp8Reduction(split_k=4, mma="bf16"), tuning.Fp8Tile(64, 128, 64, 8, 5)
+    red, tile = tuning.Fp8Reduction(split_k=4, mma="bf16"), tuning.Fp8Tile(64, 128, 64, 8, 5, fuse=True)
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"reductions": [tuning.reduction_entry(key, red, "n")],
                                 "tiles": [tuning.tile_entry(key + (64,), tile, "n")]}))
@@ -236,8 +252,8 @@ GPU_ROWS = [1, 2, 8, 17, 33, 64, 65, 80]
 @pytest.mark.parametrize("mma", ["fp8", "bf16"])
 @pytest.mark.parametrize("n,k", GPU_SHAPES, ids=[f"N{n}-K{k}" for n, k in GPU_SHAPES])
 def test_cuda_fused_is_two_launch_and_batch_invariant(n, k, mma):
-    # fused == act_quant + fp8_gemm bit for bit (both e4m3 roundings), rows alone == rows in 80 (which crosses
-    # FUSE_MAX_ROWS), and within tolerance of the reference: 2^-10 of sum |a*w| for the fp8 MMA (Hopper adds a
+    # fused == act_quant + fp8_gemm bit for bit (both e4m3 roundings), rows alone == rows in 80 (a prefill
+    # launch: act_quant first), and within tolerance of the reference: 2^-10 of sum |a*w| for the fp8 MMA (Hopper adds a
     # block's products with ~14 bits), 2^-12 for the bf16 chain.
     g = torch.Generator(device="cuda").manual_seed(n + k)
     wq, ws = quantize_fp8_weight(torch.randn(n, k, generator=g, device="cuda"), (32, 32))
