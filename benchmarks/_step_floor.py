@@ -140,7 +140,8 @@ def kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
 
 def profile_ops(engine: Engine, device: torch.device) -> dict[str, float]:
     """Run one ``engine.step()`` under torch.profiler: the sum over all ops ("(all ops)") and the 15 ops with the
-    most self time (ms, device time on CUDA, CPU time otherwise). A profiler that cannot start returns {"profiler failed": reason}."""
+    most self time (ms, device time on CUDA, CPU time otherwise). A profiler that cannot start returns
+    {"profiler failed": reason}."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"

@@ -10,8 +10,8 @@ prefill (chunked at the token budget), the first-token sampling and the captured
     every larger b   b requests of 8 tokens, 4 decode steps each: what a size adds is its decode graph (captured
                      at its first decode step) and its prefill chunk's row count; the per-token paths (a full
                      block, the window, the compressed entries) ran at the smallest size already. 8 tokens rather
-                     than a block + 8 takes the restart warm-up's prefill from ~14.3K tokens to ~1.7K at sizes
-                     1..64 (prefill ran at ~1.1K tokens/s on an H100: most of a 28 s warm-up from a kept cache)
+                     than a block + 8 takes these batches from ~14.3K prefill tokens to ~1.7K at sizes 1..64
+                     (a 28 s restart warm-up on an H100 prefilled ~40K throwaway tokens at ~1.4K tokens/s)
     the smallest b also with one prompt at a time of 4 blocks + 16 tokens and of exactly 4 blocks (beyond the
     sliding window: the compressed-KV and indexer paths; the token count and every count derived from it, the
     compressed entries included, on both sides of Triton's divisible-by-16 specialisation), of one full

@@ -6,13 +6,17 @@ Two kinds of choice, kept apart because only one of them may follow the batch:
   up by the weight's shape and the device only, never by the row count, so a row's bits do not depend on the
   batch it runs in. ``TUNED_REDUCTIONS`` holds measured entries; anything missing gets ``default_reduction``.
 - ``Fp8Tile`` (rows per program, K step, warps, stages) changes which programs compute an element, not how it is
-  summed, so it may follow the row count: ``TUNED_TILES`` is keyed by a row bucket as well.
+  summed, so it may follow the row count: ``TUNED_TILES`` is keyed by a row bucket as well. One exception is
+  the MMA instruction itself: a tile with fewer than 64 weight rows per warp group runs mma.sync instead of
+  wgmma, whose bf16 chain rounds differently (seen on an H100), so a tuning run writes a bucket's tile only
+  after its rows equal the same rows of the 64-row bucket.
 
 Both tables are read from ``gemm_configs.json`` beside this module (checked in; ``benchmarks/fp8_gemm_bench.py
 --tune --tune-out FILE`` writes one from timings on the device it runs on), then entry by entry from the file
 named in the environment variable ``FLASHTIER_FP8_GEMM_CONFIGS`` if set (one's own tuning run), once, at
 import; a malformed file raises ValueError naming it. An entry changes a GPU's results bit for bit only through
-``Fp8Reduction``. Device keys are ``torch.cuda.get_device_name`` strings; the CPU interpreter is keyed "cpu".
+``Fp8Reduction`` (and the instruction rule above). Device keys are ``torch.cuda.get_device_name`` strings; the
+CPU interpreter is keyed "cpu".
 
     {"reductions": [{"device": "NVIDIA H100 80GB HBM3", "n": 32768, "k": 1280, "split_k": 1, "mma": "fp8",
                      "note": "..."}],
