@@ -45,8 +45,10 @@ Usage: python3 -P benchmarks/fp8_gemm_bench.py --json OUT.json   (flashtier impo
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -267,8 +269,6 @@ def precompile(case: Case, launches: list[tuple[int, Fp8GemmConfig]], jobs: int)
     serial timing loop finds them in the Triton cache (compiling one takes seconds; timing it, milliseconds)."""
     if jobs <= 1 or not launches:
         return
-    import concurrent.futures
-    import multiprocessing
     n, k = case.w.shape
     work = [(n, k, case.groups, m, dataclasses.asdict(cfg), case.x.device.type) for m, cfg in launches]
     ctx = multiprocessing.get_context("spawn")
