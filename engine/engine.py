@@ -118,10 +118,9 @@ class Engine:
                                    cfg.sliding_window) if depth else None,
             spec_control=self.spec_control,
         )
-        # a speculative engine's plain decode steps (the controller's draft length 0) can replay graphs too; a
-        # fixed draft length never runs one
-        graphs = (self.config.cuda_graphs and dev.type == "cuda" and (not depth or self.config.speculative_adaptive)
-                  and DecodeGraphs.supported(model))
+        # a speculative engine replays graphs for its plain decode steps (the controller's draft length 0) and its
+        # verify steps (the chunks' rows, with the draft inputs) alike, up to max_num_seqs rows
+        graphs = self.config.cuda_graphs and dev.type == "cuda" and DecodeGraphs.supported(model)
         self.runner = ModelRunner(model, PagedRunner(
             model, self.kvm, graphs=graphs,
             max_graph_rows=self.config.max_num_seqs, graph_sizes=self.config.cuda_graph_sizes) if batched else None,

@@ -1,12 +1,13 @@
 """Entry writes of a decode part in a fixed shape: every row computes one entry, whatever it completes.
 
 ``batch_entries.write_entries`` gathers exactly the entries a step completes (``EntryWrites``, sized on the
-host), which a CUDA graph cannot replay. In a plain decode step each sequence adds one token, so each row
-either completes an entry or (ratio 2, an even position) opens a group; ``DenseWrites`` gives every row an
-entry slot: a completing row its real (block, offset), any other row (and every pad row) the null block's
-first slot, which no sequence reads. The row's waiting first token (ratio 2: the group its sequence opened in
-an earlier step) comes as a tensor row instead of a ``PartialGroup``; the kv and gate rows of every row are
-returned, so the caller turns those of even positions into the sequences' new groups after the step.
+host), which a CUDA graph cannot replay. In a decode-shaped step each sequence adds a few tokens (one, or a
+verified chunk), so each row either completes an entry or (ratio 2, an even position) opens a group;
+``DenseWrites`` gives every row an entry slot: a completing row its real (block, offset), any other row (and
+every pad row) the null block's first slot, which no sequence reads. A ratio-2 row's first token is either an
+earlier row of the same step (``partner``) or waits from an earlier step (the group its sequence opened then),
+which comes as a tensor row instead of a ``PartialGroup``; the kv and gate rows of every row are returned, so
+the caller turns the one of a sequence's last row, at an even position, into its new group after the step.
 
 Same ops in the same order as ``write_entries`` (``project_pairs`` / ``pool_pairs`` / ``project_single``,
 RoPE, the FP4 / MXFP4 records), only over all rows: the entries are identical when the ops are invariant to
@@ -33,6 +34,7 @@ class DenseWrites:
     entry_pos: torch.Tensor  # [T] int64 entry index * ratio (its RoPE position)
     waiting_kv: torch.Tensor | None  # [T, hd] fp32 ratio 2: the first token's kv (zeros where none); else None
     waiting_z: torch.Tensor | None  # [T, hd] fp32 its gate scores
+    partner: torch.Tensor | None = None  # [T] int64 ratio 2: the first token's row in this part, -1: waiting_*
 
 
 def write_dense(block: Block, h: torch.Tensor, w: DenseWrites, main: torch.Tensor, index: torch.Tensor
@@ -49,8 +51,13 @@ def write_dense(block: Block, h: torch.Tensor, w: DenseWrites, main: torch.Tenso
         latent = comp.project_single(h)
     else:
         kv, z = comp.project_pairs(h)
-        pairs_kv = torch.stack((w.waiting_kv.to(kv.dtype), kv), dim=1)
-        pairs_z = torch.stack((w.waiting_z.to(z.dtype), z), dim=1)
+        first_kv, first_z = w.waiting_kv.to(kv.dtype), w.waiting_z.to(z.dtype)
+        if w.partner is not None:  # the first token of the pair computed in this part (a multi-row sequence)
+            in_step = (w.partner >= 0)[:, None]
+            at = w.partner.clamp(min=0)
+            first_kv, first_z = torch.where(in_step, kv[at], first_kv), torch.where(in_step, z[at], first_z)
+        pairs_kv = torch.stack((first_kv, kv), dim=1)
+        pairs_z = torch.stack((first_z, z), dim=1)
         latent = comp.pool_pairs(pairs_kv, pairs_z)
         opened = (kv, z)
     main_raw = attn.rope.apply(latent, w.entry_pos)

@@ -425,19 +425,22 @@ def _graph_sizes(engine: EngineConfig) -> tuple[int, ...]:
 
 def _graphs(cfg: ModelConfig, par: ParallelConfig, engine: EngineConfig, res: _Residency, context: int,
             block_size: int) -> PlanRow | None:
-    """The decode graphs' memory (None when the engine captures none: TP > 1, CPU, eager, speculation)."""
-    if (par.world_size > 1 or res.device_type != "cuda" or not engine.cuda_graphs or engine.speculative_tokens
+    """The decode graphs' memory (None when the engine captures none: TP > 1, CPU, eager)."""
+    if (par.world_size > 1 or res.device_type != "cuda" or not engine.cuda_graphs
             or not res.expert_formats or cfg.index_head_dim != 128):
         return None
     sizes = _graph_sizes(engine)
     rows = sizes[-1]
     table = max(MIN_TABLE, 1 << (-(-context // block_size) - 1).bit_length())
     n_tables = max(1, table.bit_length() - MIN_TABLE.bit_length() + 1)
-    buckets = min(MAX_GRAPHS, len(sizes) * n_tables)
-    per_bucket = rows * (cfg.vocab_size * 4 + 2 * cfg.hc_mult * cfg.hidden_size * 4 + table * 4)
+    # a speculative engine keeps a second set (its verify steps' graphs return the draft inputs too)
+    taps = len(cfg.dspark_target_layer_ids) if engine.speculative_tokens else 0
+    buckets = min(MAX_GRAPHS, len(sizes) * n_tables * (2 if taps else 1))
+    per_bucket = rows * (cfg.vocab_size * 4 + 2 * cfg.hc_mult * cfg.hidden_size * 4 + table * 4
+                         + taps * cfg.hidden_size * 4)
     pool, _ = activation_bytes(cfg, par, rows, rows, context, block_size)
-    basis = (f"estimate: {buckets} buckets (<= {MAX_GRAPHS}) x {rows} rows of static logits/streams/tables "
-             f"+ one {rows}-row decode step's activations (shared pool)")
+    basis = (f"estimate: {buckets} buckets (<= {MAX_GRAPHS}) x {rows} rows of static logits/streams/tables"
+             f"{' /draft inputs' if taps else ''} + one {rows}-row decode step's activations (shared pool)")
     return PlanRow(Row.GRAPHS, buckets * per_bucket + pool, basis, estimate=True)
 
 

@@ -1,16 +1,23 @@
-"""CUDA graphs for plain decode steps: one graph per (batch bucket, block-table bucket), encoder and decoder.
+"""CUDA graphs for decode-shaped steps: one graph per (row bucket, block-table bucket, taps), encoder and decoder.
 
-A plain decode step (engine/runner/decode_step.py) runs one row per sequence through all 40 layers; eagerly that is
-~5,500 kernel launches, and Python launching them is most of the step (benchmarks/host_sync_audit.py). Its
-shapes do not depend on the step's data once the rows are padded, so it is captured once per bucket:
+A decode-shaped step (engine/runner/decode_step.py: plain decode, one row per sequence, or speculative verify,
+a chunk of rows per sequence) runs its rows through all 40 layers; eagerly that is ~5,500 kernel launches, and
+Python launching them is most of the step (benchmarks/host_sync_audit.py). Its shapes do not depend on the
+step's data once the rows are padded, so it is captured once per bucket:
 
-    B rows, table width mb  ->  bucket (Tb = smallest capture size >= B, MB = next power of two >= 16, >= mb)
-    before the replay        static inputs rows 0..B-1 <- this step's (DecodeStep), rows B..Tb-1 <- pad rows;
+    T rows, table width mb   ->  bucket (Tb = smallest capture size >= T, MB = next power of two >= 16, >= mb,
+                                 the draft-input taps: none, or a speculative engine's target layers)
+    before the replay        static inputs rows 0..T-1 <- this step's (DecodeStep), rows T..Tb-1 <- pad rows;
                              the Engram layers' host-table rows gathered and copied into the static feed
-    replay                   embed -> encoder (dense entry writes) -> layer 20's entries -> decoder -> logits
-    after                    logits rows 0..B-1 copied out; decode_step.install() (groups, counts, tails)
+    replay                   embed -> encoder (dense entry writes) -> layer 20's entries -> decoder -> logits of
+                             every row (and the taps' block inputs)
+    after                    logits (and draft inputs) of rows 0..T-1 copied out; decode_step.install() (groups,
+                             counts, tails)
 
-Pad rows sit at position 0 of a sequence with no blocks: they read the null block (block 0, never allocated),
+Every row is addressed on its own (its position, block table, window columns, ring slot, entry slot), so the
+same graph serves one row per sequence and a verified chunk of several: only the row count is a shape.
+
+Pad rows each sit at position 0 of a sequence with no blocks: they read the null block (block 0, never allocated),
 write their entries to its first slot and their ring records to the arena's ``pad_slot`` (never handed out),
 so they touch no sequence's state. Every static metadata row is rewritten before each replay (a row that was
 real in a bigger batch becomes a pad row again); the pad rows' Engram feed keeps finite stale values, which only
@@ -45,19 +52,22 @@ from flashtier.engine.model.transformer import Transformer
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_TABLE = 16  # smallest block-table bucket (blocks)
 MAX_GRAPHS = 32  # buckets kept (each holds its static inputs and its graph's outputs: ~40 MB at 64 rows)
-_ROW_FIELDS = ("positions", "row_seq", "last_rows", "block_table", "win_ring_row", "win_step_row",
-               "win_from_step", "win_start", "win_count", "ring_src_rows", "ring_dst_rows", "ngram_tokens")
-_WRITE_FIELDS = ("block", "offset", "entry_pos", "waiting_kv", "waiting_z")
+# per-row fields copied in before each replay (``last_rows`` stays every row: the program's logits are all rows')
+_ROW_FIELDS = ("positions", "row_seq", "block_table", "win_ring_row", "win_step_row", "win_from_step",
+               "win_start", "win_count", "ring_src_rows", "ring_dst_rows", "ngram_tokens")
+_WRITE_FIELDS = ("block", "offset", "entry_pos", "waiting_kv", "waiting_z", "partner")
 
 
 @dataclass
 class StepOutputs:
-    """What the step program returns: logits [T, V] (decoder order), encoder outputs, ratio-2 kv / gate rows."""
+    """What the step program returns: logits [T, V] of every row (decoder order), encoder outputs, ratio-2 kv /
+    gate rows, and with taps the draft inputs [T, n_taps, D] of every decoder row (else None)."""
 
     logits: torch.Tensor
     x: torch.Tensor
     pre: torch.Tensor
     opened: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,6 +78,7 @@ class _Bucket:
     perm: torch.Tensor  # [Tb]
     pad: tuple[StepRows, StepRows, torch.Tensor, torch.Tensor]  # the pad pattern of (enc, dec, perm, ids)
     feed: dict[int, torch.Tensor]  # Engram layer -> rows [Tb, H, hd] (host tables only)
+    taps: tuple[int, ...] = ()  # layers whose block inputs the program returns (a speculative engine's)
     graph: torch.cuda.CUDAGraph | None = None
     out: StepOutputs | None = None
 
@@ -94,8 +105,9 @@ class DecodeGraphs:
     def __init__(self, model: Transformer, views: PagedViews, pad_slot: int, sources: dict[int, tuple[int, int]],
                  *, capture: bool, max_rows: int = 64, sizes: tuple[int, ...] = ()):
         """``pad_slot``: the arena slot pad rows write to; ``sources``: KV source -> (ratio, entries per block);
-        ``capture``: CUDA graphs (else the padded program runs eagerly); ``max_rows``: the largest batch;
-        ``sizes``: the batch buckets (default ``CAPTURE_SIZES``), cut at ``max_rows``, which is always one."""
+        ``capture``: CUDA graphs (else the padded program runs eagerly); ``max_rows``: the most rows a step
+        may have (a batch of plain decodes, or of verified chunks); ``sizes``: the row buckets (default
+        ``CAPTURE_SIZES``), cut at ``max_rows``, which is always one."""
         self.model, self.views, self.pad_slot, self.capture = model, views, pad_slot, capture
         self.sources = sources
         self.sizes = tuple(s for s in (sizes or CAPTURE_SIZES) if s < max_rows) + (max_rows,)
@@ -120,11 +132,12 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     @torch.no_grad()
-    def run(self, step: DecodeStep) -> StepOutputs:
-        """The step's outputs (rows 0..B-1 valid; logits a copy, the rest the bucket's static tensors, valid
-        until the next run). Mutates what the module docstring says."""
-        b, mb = len(step.seqs), max(step.enc.block_table.shape[1], step.dec.block_table.shape[1])
-        key = (bucket_size(b, self.sizes), table_bucket(mb))
+    def run(self, step: DecodeStep, taps: tuple[int, ...] = ()) -> StepOutputs:
+        """The step's outputs (rows 0..T-1 valid; logits and draft inputs copies, the rest the bucket's static
+        tensors, valid until the next run). ``taps``: the layers whose block inputs come back as draft inputs
+        (empty: none). Mutates what the module docstring says."""
+        t, mb = step.num_rows, max(step.enc.block_table.shape[1], step.dec.block_table.shape[1])
+        key = (bucket_size(t, self.sizes), table_bucket(mb), tuple(taps))
         bucket = self._buckets.get(key)
         if bucket is None:
             while len(self._buckets) >= MAX_GRAPHS:
@@ -136,12 +149,14 @@ class DecodeGraphs:
         if not self.capture:
             with self._feeding(bucket):
                 out = self._program(bucket)
-            return StepOutputs(out.logits[:b], out.x, out.pre, out.opened)
+            hidden = None if out.hidden is None else out.hidden[:t]
+            return StepOutputs(out.logits[:t], out.x, out.pre, out.opened, hidden)
         if bucket.graph is None:
             self._capture(bucket)
         bucket.graph.replay()
         out = bucket.out
-        return StepOutputs(out.logits[:b].clone(), out.x, out.pre, out.opened)
+        hidden = None if out.hidden is None else out.hidden[:t].clone()
+        return StepOutputs(out.logits[:t].clone(), out.x, out.pre, out.opened, hidden)
 
     @contextmanager
     def _feeding(self, bucket: _Bucket):
@@ -163,11 +178,13 @@ class DecodeGraphs:
         src = cfg.decoder_source
         h, _ = model.layers[src].attn_input(x, pre)  # CED: layer 20's entries of every row
         write_dense(model.layers[src], h, bucket.enc.writes[src], views.main[src], views.index[src])
-        logits = decode_rows(model, bucket.dec, views, x[bucket.perm], pre[bucket.perm])
-        return StepOutputs(logits, x, pre, slots.opened_rows)
+        capture = {layer: None for layer in bucket.taps} if bucket.taps else None
+        logits = decode_rows(model, bucket.dec, views, x[bucket.perm], pre[bucket.perm], capture=capture)
+        hidden = torch.stack([capture[layer] for layer in bucket.taps], dim=1) if capture else None
+        return StepOutputs(logits, x, pre, slots.opened_rows, hidden)
 
     def _load(self, bucket: _Bucket, step: DecodeStep) -> None:
-        b = len(step.seqs)
+        b = step.num_rows
         pad_enc, pad_dec, pad_perm, pad_ids = bucket.pad
         for dst, src, pad in ((bucket.enc, step.enc, pad_enc), (bucket.dec, step.dec, pad_dec)):
             for name in _ROW_FIELDS:
@@ -186,7 +203,7 @@ class DecodeGraphs:
                 engram = self.model.layers[layer].engram
                 buf[:b].copy_(self.host.take(layer, key, engram.rows))
 
-    def _new_bucket(self, tb: int, mbb: int) -> _Bucket:
+    def _new_bucket(self, tb: int, mbb: int, taps: tuple[int, ...]) -> _Bucket:
         dev, cfg = self.model.device, self.model.cfg
         enc, dec = self._pad_rows(tb, mbb, dev, True), self._pad_rows(tb, mbb, dev, False)
         perm = torch.arange(tb, device=dev)
@@ -198,10 +215,10 @@ class DecodeGraphs:
                     feed[layer] = torch.zeros((tb, e.n_hashes, cfg.engram_head_dim), dtype=self.host.dtype,
                                               device=dev)
         ids = torch.zeros(tb, dtype=torch.long, device=dev)
-        return _Bucket(ids.clone(), _clone(enc), _clone(dec), perm.clone(), (enc, dec, perm, ids), feed)
+        return _Bucket(ids.clone(), _clone(enc), _clone(dec), perm.clone(), (enc, dec, perm, ids), feed, taps)
 
     def _pad_rows(self, tb: int, mbb: int, dev: torch.device, encoder: bool) -> StepRows:
-        """``tb`` rows at position 0 of a sequence with no blocks, ringed in the pad slot."""
+        """``tb`` rows, each at position 0 of its own sequence with no blocks, ringed in the pad slot."""
         w, n, hd = self.window, self.model.cfg.engram_max_ngram_size, self.model.cfg.head_dim
         row, col = torch.arange(tb, device=dev), torch.arange(w, device=dev)
         zeros = torch.zeros(tb, dtype=torch.long, device=dev)
@@ -209,8 +226,9 @@ class DecodeGraphs:
         if encoder:
             for src, (ratio, _) in self.sources.items():
                 wait = torch.zeros((tb, hd), dtype=torch.float32, device=dev) if ratio == 2 else None
+                partner = torch.full((tb,), -1, dtype=torch.long, device=dev) if ratio == 2 else None
                 writes[src] = DenseWrites(zeros.clone(), zeros.clone(), zeros.clone(), wait,
-                                          None if wait is None else wait.clone())
+                                          None if wait is None else wait.clone(), partner)
         return StepRows(
             positions=zeros.clone(), row_seq=row.clone(), last_rows=row.clone(),
             block_table=torch.zeros((tb, mbb), dtype=torch.int32, device=dev),

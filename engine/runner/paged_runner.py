@@ -4,8 +4,8 @@
     decoder part: RowSpan per DecoderWork (REPLAY: [replay start, n) from the replay tail; DECODE: n - 1,
                   VERIFY: its chunk [n - rows, n), fed straight from this step's encoder rows)
 
-A plain decode step (every sequence one token through both parts) replays a CUDA graph instead when graphs are
-on (``decode_graphs.py``). Mutates what ``ModelRunner`` mutates (tokens, rings, pool entries, partial groups,
+A decode-shaped step (every sequence one token, or its verified chunk, through both parts) replays a CUDA graph
+instead when graphs are on (``decode_graphs.py``), draft inputs included for a speculative engine. Mutates what ``ModelRunner`` mutates (tokens, rings, pool entries, partial groups,
 replay tails). Every
 sequence of the step must hold a ring-arena slot (``can_run``); the engine falls back to the
 per-sequence runner otherwise.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from flashtier.engine.runner.decode_graphs import DecodeGraphs
-from flashtier.engine.runner.decode_step import build_decode_step, install, is_plain_decode
+from flashtier.engine.runner.decode_step import build_decode_step, decode_rows_of, install, is_decode_shaped
 from flashtier.engine.kv.manager import KVManager
 from flashtier.engine.model.batch_attention import PagedViews
 from flashtier.engine.model.batch_forward import push_tail
@@ -30,7 +30,8 @@ from flashtier.engine.runner.step_metadata import RowSpan, build_step_rows
 class PagedRunner:
     def __init__(self, model: Transformer, kvm: KVManager, *, graphs: bool = False, max_graph_rows: int = 64,
                  graph_sizes: tuple[int, ...] = ()):
-        """``graphs``: replay plain decode steps' decoder part from CUDA graphs (decode_graphs.py)."""
+        """``graphs``: replay decode-shaped steps from CUDA graphs (decode_graphs.py) of up to ``max_graph_rows``
+        rows."""
         assert kvm.arena is not None, "the paged runner needs the KV manager's ring arena"
         self.model, self.kvm = model, kvm
         cfg, spec = model.cfg, kvm.spec
@@ -59,8 +60,9 @@ class PagedRunner:
         """(logits, draft inputs of the decoder rows, the row plan; spec/rows.py), Nones without decoder work.
         ``taps``: the layers whose block inputs are captured (a speculative engine)."""
         dev = self.model.device
-        if self.graphs is not None and not taps and is_plain_decode(batch) and len(batch.decoder) <= self.graphs.max_rows:
-            return self._graph_step(batch)
+        if (self.graphs is not None and is_decode_shaped(batch)
+                and decode_rows_of(batch) <= self.graphs.max_rows):
+            return self._graph_step(batch, taps)
         enc_x = enc_pre = None
         enc_last: dict[int, int] = {}  # id(kv) -> row of its newest encoder output in this step
         if batch.encoder:
@@ -103,10 +105,14 @@ class PagedRunner:
                              logit_rows=plan.logit_rows)
         return logits, plan.hidden(capture), plan
 
-    def _graph_step(self, batch: SchedulerOutput) -> tuple[torch.Tensor, None, DecoderRowPlan]:
-        """A plain decode step through the CUDA graphs (decode_step.py, decode_graphs.py)."""
+    def _graph_step(self, batch: SchedulerOutput, taps: tuple[int, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, DecoderRowPlan]:
+        """A decode-shaped step through the CUDA graphs (decode_step.py, decode_graphs.py): the logits of the
+        rows the plan reads (every row of the graph's are computed) and, with ``taps``, every row's draft inputs."""
         dev = self.model.device
         step = build_decode_step(batch, self.window, self.ngram, self.sources, self.model.cfg.head_dim, dev)
-        out = self.graphs.run(step)
+        out = self.graphs.run(step, tuple(taps))
         install(step, out.x, out.pre, out.opened, self.window)
-        return out.logits, None, plan_rows(batch.decoder, [1] * len(batch.decoder), (), dev)
+        plan = plan_rows(batch.decoder, [w.rows for w in batch.decoder], taps, dev)
+        logits = out.logits if plan.logit_rows is None else out.logits[plan.logit_rows]
+        return logits, out.hidden, plan

@@ -10,7 +10,9 @@ to the bucket's row count, so this holds exactly when every kernel is invariant 
 batch-invariance promise, over the whole step: a sequence decoded in a batch of 5 padded to 8 gets the bits
 it gets unpadded). The graph engine must have replayed (captures > 0, runs > 0). Both Engram placements:
 tables on the device (captured gathers) and in pinned host memory (rows gathered on the host and fed before
-each replay).
+each replay). A speculative engine (drafter forced to the plain run's continuation, wrong from a varying
+position on) replays its verify steps too: its tokens and logits with graphs equal its eager run's, and the
+graphs ran verified chunks.
 """
 
 import os
@@ -27,6 +29,7 @@ from flashtier.kvstore.config import KVStoreConfig
 from .conftest import random_prompt
 from .gpu_models import tiny_on_cuda
 from .logit_recorder import record_logits
+from .spec_harness import force_drafts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,3 +87,28 @@ def test_float_experts_are_not_captured():
     model = tiny_on_cuda("float32")
     engine = _engine(model, "float32", True)
     assert engine.runner.paged.graphs is None  # the float experts' reference loop reads routing on the host
+
+
+def test_graph_verify_steps_match_eager():
+    model = tiny_on_cuda("checkpoint", with_dspark=True)
+    want = _run(_engine(model, "bfloat16", False), [])
+
+    def speculative(graphs):
+        cfg = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8, forward="batched", dtype="bfloat16",
+                           device="cuda", cuda_graphs=graphs, speculative_tokens=3, speculative_adaptive=False)
+        eng = Engine(model, cfg, KVStoreConfig(block_size=16, num_blocks=400))
+        force_drafts(eng, {(rid, 0): toks for rid, toks in want.items()})
+        return eng
+
+    eager_l, graph_l = [], []
+    eager, graphed = speculative(False), speculative(True)
+    got_eager, got_graph = _run(eager, eager_l), _run(graphed, graph_l)
+    g = graphed.runner.paged.graphs
+    assert g.captures >= 1 and g.runs >= 4, (g.captures, g.runs)
+    assert graphed.stats().spec_accepted_tokens > 0
+    assert len(eager_l) == len(graph_l)
+    for a, b in zip(eager_l, graph_l):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+    assert got_graph == got_eager
