@@ -43,7 +43,7 @@ def dspark_skip(with_dspark: bool) -> tuple[str, ...]:
     """The checkpoint prefixes a loader leaves unread: the drafter's when speculation is off."""
     return () if with_dspark else (DSPARK_PREFIX,)
 from flashtier.engine.model.norm import RMSNorm
-from flashtier.engine.model.numerics import up
+from flashtier.engine.model.numerics import linear_up, up
 
 
 class MarkovHead(nn.Module):
@@ -181,15 +181,18 @@ def draft_block(model, rings: Sequence[DSparkRings], last_tokens: torch.Tensor,
 
 
 def head_logits(model, x: torch.Tensor) -> torch.Tensor:
-    """Draft logits before the Markov bias: the last stage's norm, then the backbone's fp32 head. x [..., D]."""
-    return F.linear(model.mtp[-1].norm(x), up(model.head.weight))
+    """Draft logits before the Markov bias: the last stage's norm, then the backbone's fp32 head. x [..., D].
+
+    ``linear_up`` as the backbone's logits: the bf16 weight read as stored (an fp32 copy of the head would be
+    written and read again at every draft position) and each row's bits independent of the batch."""
+    return linear_up(up(model.mtp[-1].norm(x)), model.head.weight)
 
 
 def markov(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Markov head of the previous tokens [B]: (logit bias [B, V], embedding [B, rank])."""
     mk = model.mtp[-1].markov_head
     me = up(mk.embed.weight[tokens])
-    return F.linear(me, up(mk.head.weight)), me
+    return linear_up(me, mk.head.weight), me
 
 
 def confidence(model, x: torch.Tensor, me: torch.Tensor) -> torch.Tensor:
