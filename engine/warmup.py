@@ -19,6 +19,10 @@ prefill (chunked at the token budget), the first-token sampling and the captured
     context, the last one ragged, and a block table past the smallest decode bucket: on an H100 a 2,098-token
     first request after a warm-up without it took 7.9 s to its first token)
 
+A speculative engine's verify steps replay a second set of graphs (the draft inputs returned too) that the
+throwaway batches need not reach (the goodput controller may not draft in them): each of its row buckets is
+captured over pad rows afterwards (``DecodeGraphs.prepare``, block tables of the smallest bucket).
+
 The tiers are detached meanwhile (nothing reaches the SSD tier or the snapshot pool) and the scheduler's and the
 engine's counters are restored afterwards, so /metrics starts from zero. The throwaway prompts' blocks stay in
 the HBM prefix cache as free, evictable blocks under a namespace no client can reach (their salt holds a NUL,
@@ -63,10 +67,12 @@ class WarmUpReport:
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
     long_prompts: tuple[int, ...] = ()
+    verify_graphs: int = 0  # a speculative engine's verify buckets captured over pad rows
+    verify_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return sum(self.seconds)
+        return sum(self.seconds) + self.verify_s
 
 
 def warmup_sizes(engine: Engine) -> tuple[int, ...]:
@@ -90,6 +96,18 @@ def _long_prompts(engine: Engine) -> tuple[int, ...]:
     budget = engine.config.max_num_batched_tokens
     wanted = (4 * block + 16, 4 * block, budget, 2 * budget + block + 8)
     return tuple(sorted({min(n, cap) for n in wanted if min(n, cap) > block + 8}))
+
+
+def _prepare_verify_graphs(engine: Engine) -> tuple[int, float]:
+    """A speculative engine's verify buckets, one per graph row size (module docstring): (made, seconds)."""
+    paged, taps = engine.runner.paged, engine.runner.taps
+    graphs = paged.graphs if paged is not None else None
+    if graphs is None or not taps:
+        return 0, 0.0
+    t0 = time.monotonic()
+    made = sum(graphs.prepare(rows, taps) for rows in graphs.sizes)
+    log.info("warm-up: %d verify graphs in %.2f s", made, time.monotonic() - t0)
+    return made, time.monotonic() - t0
 
 
 def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpReport:
@@ -124,6 +142,7 @@ def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpRepor
                         engine.step()
             seconds.append(time.monotonic() - t0)
             log.info("warm-up: batch %d in %.2f s", b, seconds[-1])
+        verify_graphs, verify_s = _prepare_verify_graphs(engine)
     finally:
         for rid in list(scheduler.requests):  # a failed step: nothing throwaway stays queued
             engine.abort(rid)
@@ -131,6 +150,6 @@ def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpRepor
         for f in fields(stats):  # in place: whoever holds the stats object sees the restored values
             setattr(scheduler.stats, f.name, getattr(stats, f.name))
         engine.prompt_tokens = prompt_tokens
-    report = WarmUpReport(tuple(sizes), tuple(seconds), long_prompts)
+    report = WarmUpReport(tuple(sizes), tuple(seconds), long_prompts, verify_graphs, verify_s)
     log.info("warm-up: %d batch sizes (%s) in %.1f s", len(sizes), ",".join(map(str, sizes)), report.total_s)
     return report

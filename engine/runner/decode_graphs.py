@@ -132,6 +132,22 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     @torch.no_grad()
+    def prepare(self, rows: int, taps: tuple[int, ...] = (), table: int = MIN_TABLE) -> bool:
+        """Make (and capture) the bucket a step of ``rows`` rows with ``taps`` and a block table of ``table``
+        blocks replays, over pad rows only, before a step needs it (the warm-up: a speculative engine's verify
+        set, which its throwaway batches do not reach). Returns whether a bucket was made. Mutates its buckets
+        (the least recently used one dropped beyond ``MAX_GRAPHS``), the pad slot and the null block."""
+        key = (bucket_size(rows, self.sizes), table_bucket(table), tuple(taps))
+        if key[0] is None or key in self._buckets:
+            return False
+        while len(self._buckets) >= MAX_GRAPHS:
+            self._buckets.popitem(last=False)
+        bucket = self._buckets[key] = self._new_bucket(*key)
+        if self.capture:
+            self._capture(bucket)
+        return True
+
+    @torch.no_grad()
     def run(self, step: DecodeStep, taps: tuple[int, ...] = ()) -> StepOutputs:
         """The step's outputs (rows 0..T-1 valid; logits and draft inputs copies, the rest the bucket's static
         tensors, valid until the next run). ``taps``: the layers whose block inputs come back as draft inputs

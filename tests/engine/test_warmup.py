@@ -106,3 +106,36 @@ def test_the_engine_core_reports_the_warm_up_phase_before_ready():
 def test_the_warm_up_namespace_is_out_of_reach_of_requests():
     """A request's cache_salt is 1-256 printable characters (server/serving/request_checks.py): never a NUL."""
     assert "\x00" in WARMUP_SALT
+
+
+def test_a_speculative_engine_warms_its_verify_graphs():
+    """The verify set (graphs that return the draft inputs) gets one bucket per row size, over pad rows, without
+    a step reaching it; a plain engine gets none; a second warm-up makes none again. On the CPU the graph
+    object runs its padded program eagerly (``capture=False``): the buckets, not the captures, are checked."""
+    from flashtier.engine.runner.decode_graphs import MIN_TABLE, DecodeGraphs
+
+    for depth in (3, 0):
+        engine = build_engine(EngineConfig(preset="tiny", weights_seed=0, max_num_seqs=4, speculative_tokens=depth),
+                              KVStoreConfig(block_size=16, num_blocks=96))
+        try:
+            paged = engine.runner.paged
+            paged.graphs = DecodeGraphs(engine.model, paged.views, engine.kvm.arena.pad_slot, paged.sources,
+                                        capture=False, max_rows=4, sizes=(1, 2))
+            report = warm_up(engine, sizes=(1,))
+            taps = engine.runner.taps
+            verify = {k for k in paged.graphs._buckets if k[2]}
+            if depth:  # the throwaway steps may have verified chunks already: what they left, prepare made
+                assert taps and verify == {(rows, MIN_TABLE, taps) for rows in (1, 2, 4)}
+                assert 0 <= report.verify_graphs <= 3
+                assert warm_up(engine, sizes=(1,)).verify_graphs == 0
+                fresh = DecodeGraphs(engine.model, paged.views, engine.kvm.arena.pad_slot, paged.sources,
+                                     capture=False, max_rows=4, sizes=(1, 2))
+                assert [fresh.prepare(r, taps) for r in (1, 2, 3, 4, 5)] == [True, True, True, False, False]
+                assert set(fresh._buckets) == verify
+            else:
+                assert not taps and report.verify_graphs == 0 and not verify
+            assert generate(engine) == generate(build_engine(
+                EngineConfig(preset="tiny", weights_seed=0, max_num_seqs=4, speculative_tokens=depth),
+                KVStoreConfig(block_size=16, num_blocks=96)))
+        finally:
+            engine.close()
