@@ -40,6 +40,7 @@ from flashtier.engine.sample.sampler import Sampler
 from flashtier.engine.sample.params import SamplingParams
 from flashtier.engine.scheduler import Scheduler
 from flashtier.engine.spec.controller import SpecController
+from flashtier.engine.spec.draft_graphs import DraftGraphs
 from flashtier.engine.spec.drafter import Drafter
 from flashtier.engine.spec.schedule import SpecPolicy
 from flashtier.engine.spec.state import check_spec_integrity
@@ -125,6 +126,10 @@ class Engine:
             model, self.kvm, graphs=graphs,
             max_graph_rows=self.config.max_num_seqs, graph_sizes=self.config.cuda_graph_sizes) if batched else None,
                                   taps=cfg.dspark_target_layer_ids if depth else ())
+        decode_graphs = self.runner.paged.graphs if self.runner.paged is not None else None
+        if self.drafter is not None and decode_graphs is not None and DraftGraphs.supported(model):
+            # greedy proposals replay graphs too, one bucket per decode graph size (spec/draft_graphs.py)
+            self.drafter.graphs = DraftGraphs(model, decode_graphs.sizes, capture=True)
         self.postprocessor = Postprocessor(
             self.scheduler, Sampler(eos_token_id=cfg.eos_token_id), eos_token_id=cfg.eos_token_id,
             max_model_len=self.max_model_len,

@@ -21,7 +21,8 @@ prefill (chunked at the token budget), the first-token sampling and the captured
 
 A speculative engine's verify steps replay a second set of graphs (the draft inputs returned too) that the
 throwaway batches need not reach (the goodput controller may not draft in them): each of its row buckets is
-captured over pad rows afterwards (``DecodeGraphs.prepare``, block tables of the smallest bucket).
+captured over pad rows afterwards (``DecodeGraphs.prepare``, block tables of the smallest bucket), and so is
+each of its drafter's graphs (``DraftGraphs.prepare``: every sequence bucket and draft length).
 
 The tiers are detached meanwhile (nothing reaches the SSD tier or the snapshot pool) and the scheduler's and the
 engine's counters are restored afterwards, so /metrics starts from zero. The throwaway prompts' blocks stay in
@@ -67,7 +68,7 @@ class WarmUpReport:
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
     long_prompts: tuple[int, ...] = ()
-    verify_graphs: int = 0  # a speculative engine's verify buckets captured over pad rows
+    verify_graphs: int = 0  # a speculative engine's verify buckets and draft graphs captured over pad rows
     verify_s: float = 0.0
 
     @property
@@ -99,14 +100,18 @@ def _long_prompts(engine: Engine) -> tuple[int, ...]:
 
 
 def _prepare_verify_graphs(engine: Engine) -> tuple[int, float]:
-    """A speculative engine's verify buckets, one per graph row size (module docstring): (made, seconds)."""
+    """A speculative engine's verify buckets, one per graph row size, and its drafter's graphs, one per sequence
+    bucket and draft length (module docstring): (made, seconds)."""
     paged, taps = engine.runner.paged, engine.runner.taps
     graphs = paged.graphs if paged is not None else None
     if graphs is None or not taps:
         return 0, 0.0
     t0 = time.monotonic()
     made = sum(graphs.prepare(rows, taps) for rows in graphs.sizes)
-    log.info("warm-up: %d verify graphs in %.2f s", made, time.monotonic() - t0)
+    drafts = engine.drafter.graphs if engine.drafter is not None else None
+    if drafts is not None:
+        made += sum(drafts.prepare(rows, k) for rows in drafts.sizes for k in range(1, engine.drafter.depth + 1))
+    log.info("warm-up: %d verify and draft graphs in %.2f s", made, time.monotonic() - t0)
     return made, time.monotonic() - t0
 
 

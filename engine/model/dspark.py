@@ -155,6 +155,16 @@ def draft_block(model, rings: Sequence[DSparkRings], last_tokens: torch.Tensor,
 
     Each ring must hold its sequence's real positions up to ``positions[b] - 1``. Returns the last stage's
     un-normed collapse x [B, block, D] (the head and the Markov/confidence heads read it). Reads only."""
+    return draft_rows(model, torch.stack([r.kv for r in rings], dim=1), torch.stack([r.pos for r in rings], dim=1),
+                      last_tokens, positions)
+
+
+@torch.no_grad()
+def draft_rows(model, ring_kv_all: torch.Tensor, ring_pos: torch.Tensor, last_tokens: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """``draft_block`` over the rings already stacked: ``ring_kv_all`` [stages, B, W, hd], ``ring_pos``
+    [stages, B, W] (-1: an empty slot). Fixed shapes for a given B (spec/draft_graphs.py captures it). Reads
+    only."""
     cfg = model.cfg
     n, w = cfg.dspark_block_size, cfg.sliding_window
     b = last_tokens.numel()
@@ -164,8 +174,6 @@ def draft_block(model, rings: Sequence[DSparkRings], last_tokens: torch.Tensor,
     x = model.embed_streams(ids.flatten())
     pre = identity_pre(b * n, cfg.hc_mult, dev, model.compute_dtype)
     qpos = (positions[:, None] + torch.arange(n, device=dev)[None, :]).flatten()
-    ring_pos = torch.stack([r.pos for r in rings], dim=1)  # [stages, B, W]
-    ring_kv_all = torch.stack([r.kv for r in rings], dim=1)  # [stages, B, W, hd]
     p0 = positions[:, None]
     ring_ok = (ring_pos >= 0) & (ring_pos >= p0 - w) & (ring_pos < p0)  # [stages, B, W]
     own_ok = torch.ones(b, n, dtype=torch.bool, device=dev)

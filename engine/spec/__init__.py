@@ -3,4 +3,4 @@ acceptance, the acceptance statistics, and the goodput controller that picks eac
 """
 
 # The modules the rest of flashtier may import (tests/test_layering.py); the others are this package's own.
-__all__ = ["controller", "drafter", "schedule", "state", "stats", "verify"]
+__all__ = ["controller", "draft_graphs", "drafter", "schedule", "state", "stats", "verify"]

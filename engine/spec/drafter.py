@@ -11,7 +11,8 @@
                   over sequences (model/dspark.py), then the Markov head's sequential loop here for the first
                   k of them (drafts past k are never verified): greedy requests take the argmax (q = one-hot),
                   sampled ones draw from q = softmax(l / T) with their own generator and keep q for the
-                  acceptance rule.
+                  acceptance rule. A proposal of greedy sequences only replays a CUDA graph when the engine
+                  has them (spec/draft_graphs.py): the same ops over padded rows.
 
 Proposing at the start of the step that verifies the drafts (not at the end of the step before) lets the
 controller decide first: a step without drafts costs no drafting.
@@ -32,18 +33,20 @@ from flashtier.engine.core.request_state import RequestStatus
 from flashtier.engine.runner.runner import ModelRunnerOutput
 from flashtier.engine.core.scheduler_output import DecoderKind, SchedulerOutput
 from flashtier.engine.spec.accept import draw
+from flashtier.engine.spec.draft_graphs import DraftGraphs
 from flashtier.engine.spec.state import SpecState
 
 Seed = tuple[Request, list[Sequence], torch.Tensor, int]  # (request, its sequences, draft inputs, first position)
 
 
 class Drafter:
-    def __init__(self, model: Transformer, depth: int):
+    def __init__(self, model: Transformer, depth: int, graphs: DraftGraphs | None = None):
+        """``graphs``: replay greedy proposals from CUDA graphs (None: every proposal eager)."""
         if len(model.mtp) == 0:
             raise ValueError("speculative decoding needs the model's DSpark stages (build it with_dspark=True)")
         if not 1 <= depth <= model.cfg.dspark_block_size:
             raise ValueError(f"depth must be in [1, {model.cfg.dspark_block_size}], got {depth}")
-        self.model, self.depth = model, depth
+        self.model, self.depth, self.graphs = model, depth, graphs
 
     def eligible(self, req: Request, seq: Sequence) -> bool:
         """Whether a choice is speculated (one with a grammar decodes a token per step)."""
@@ -106,6 +109,16 @@ class Drafter:
         model, dev = self.model, self.model.device
         last = torch.tensor([s.output[-1] for _, s in live], device=dev)
         pos = [len(r.prompt) + len(s.output) - 1 for r, s in live]
+        if (self.graphs is not None and len(live) <= self.graphs.max_rows
+                and all(req.params.is_greedy for req, _ in live)):
+            k = min(model.cfg.dspark_block_size, self.depth, n)
+            out = self.graphs.run([s.spec.rings for _, s in live], last, torch.tensor(pos, device=dev), k)
+            drafts = out.drafts.tolist()
+            for b, (_, seq) in enumerate(live):
+                spec = seq.spec
+                spec.drafts, spec.draft_pos, spec.q = tuple(drafts[b]), pos[b], None
+                spec.confidence = out.confidence[b]
+            return
         x = draft_block(model, [s.spec.rings for _, s in live], last, torch.tensor(pos, device=dev))
         n = min(x.shape[1], self.depth, n)
         tokens, conf = [last], []

@@ -112,3 +112,36 @@ def test_graph_verify_steps_match_eager():
         if a is not None:
             assert torch.equal(a, b)
     assert got_graph == got_eager
+
+
+def test_draft_graphs_match_the_eager_proposal():
+    """The drafter's captured greedy proposal (engine/spec/draft_graphs.py) against the eager ops on the same
+    rings: batches of 3 and 5 replayed from the 4- and 8-sequence graphs, k = 1 and 3. The drafts must be
+    equal and the confidences (fp32) agree to 1e-4 relative: only the attention's batched products see the
+    padded row count."""
+    from flashtier.engine.model.dspark import draft_block, new_rings
+    from flashtier.engine.spec.draft_graphs import DraftGraphs, greedy_drafts
+
+    model = tiny_on_cuda("checkpoint", with_dspark=True)
+    assert DraftGraphs.supported(model)
+    graphs = DraftGraphs(model, (1, 2, 4, 8), capture=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b, k in ((3, 1), (5, 3), (3, 3)):
+        rings, positions = [], []
+        for i in range(b):
+            r = new_rings(model.cfg, len(model.mtp), model.device, model.compute_dtype)
+            p = 40 + 37 * i  # ring slots of positions < p (the newest W of them)
+            held = torch.arange(max(0, p - r.pos.shape[1]), p, device="cuda")
+            r.pos[:, held % r.pos.shape[1]] = held
+            r.kv.normal_(generator=gen)
+            rings.append(r)
+            positions.append(p)
+        last = torch.randint(0, model.cfg.vocab_size, (b,), device="cuda", generator=gen)
+        pos = torch.tensor(positions, device="cuda")
+        want = greedy_drafts(model, draft_block(model, rings, last, pos), last, k)
+        got = graphs.run(rings, last, pos, k)
+        got_again = graphs.run(rings, last, pos, k)  # a replay, not the capture's first run
+        assert torch.equal(got.drafts, want.drafts) and torch.equal(got_again.drafts, want.drafts), (b, k)
+        rel = float((got.confidence - want.confidence).abs().max() / want.confidence.abs().max())
+        assert rel <= 1e-4, (b, k, rel)
+    assert graphs.captures == 3 and graphs.runs == 6
