@@ -155,3 +155,61 @@ def profile_ops(engine: Engine, device: torch.device) -> dict[str, float]:
     ops = sorted(((e.key, getattr(e, key) / 1e3) for e in prof.key_averages()), key=lambda kv: -kv[1])
     # "(all ops)": the step's whole device time; the step's wall time less this is host time the GPU waited on
     return {"(all ops)": round(sum(v for _, v in ops), 3)} | {k[:60]: round(v, 3) for k, v in ops[:15]}
+
+
+def profile_by_weight(engine: Engine, device: torch.device, rate: float) -> dict[str, dict]:
+    """One step run eagerly (the decode graphs set aside: their kernels, launched one by one) under torch.profiler,
+    with a labelled range around every FP8 linear and grouped wo_a (by weight shape), every MoE layer and every
+    invariant linear (the heads, by weight shape). Per label: device ms in the step (CPU ms on the CPU), calls,
+    weight bytes per call, and the ratio of the mean call to its own byte floor at ``rate``. The per-shape
+    benchmarks time one shape alone; this says what each costs inside a real step. A profiler that cannot start
+    returns {"profiler failed": {"reason": ...}}."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from flashtier.engine.model import fp8_linear, numerics
+
+    nbytes: dict[str, int] = {}
+
+    def labelled(fn, label_of):
+        def wrapped(*args, **kwargs):
+            label, size = label_of(*args)
+            nbytes[label] = size
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    def fp8_label(kind):
+        return lambda m, *_: (f"fp8{kind} {m.out_features}x{m.in_features}",
+                              m.weight_q.numel() * m.weight_q.element_size() + m.weight_scale.numel())
+
+    saved = (fp8_linear.Fp8Linear.forward, fp8_linear.Fp8Linear.grouped, MoE.forward, numerics.invariant_linear)
+    fp8_linear.Fp8Linear.forward = labelled(saved[0], fp8_label(""))
+    fp8_linear.Fp8Linear.grouped = labelled(saved[1], fp8_label(" grouped"))
+    MoE.forward = labelled(saved[2], lambda m, *_: ("moe layer", 0))
+    numerics.invariant_linear = labelled(saved[3], lambda x, w, *_: (f"linear {w.shape[0]}x{w.shape[1]}",
+                                                                     w.numel() * w.element_size()))
+    paged = engine.runner.paged
+    graphs = paged.graphs if paged is not None else None
+    cuda = device.type == "cuda"
+    try:
+        if paged is not None:
+            paged.graphs = None
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            engine.step()
+            sync(device)
+    except Exception as exc:  # noqa: BLE001 - a profiler that cannot start must not lose the timings
+        return {"profiler failed": {"reason": str(exc)[:80]}}
+    finally:
+        fp8_linear.Fp8Linear.forward, fp8_linear.Fp8Linear.grouped, MoE.forward, numerics.invariant_linear = saved
+        if paged is not None:
+            paged.graphs = graphs
+    out = {}
+    for e in prof.key_averages():
+        if e.key not in nbytes:
+            continue
+        ms = (getattr(e, "device_time_total", 0) if cuda else e.cpu_time_total) / 1e3
+        row = {"ms": round(ms, 3), "calls": e.count, "weight_bytes": nbytes[e.key]}
+        if nbytes[e.key]:
+            row["ratio"] = round(ms / e.count / (nbytes[e.key] / rate * 1e3), 2)
+        out[e.key] = row
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))

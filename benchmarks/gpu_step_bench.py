@@ -28,10 +28,12 @@ from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared floor accounting (run as python3 -P)
-from _step_floor import copy_rate, kv_bytes, make_model, profile_ops, routed_experts_chosen, weight_bytes  # noqa: E402
+from _step_floor import (copy_rate, kv_bytes, make_model, profile_by_weight, profile_ops,  # noqa: E402
+                         routed_experts_chosen, weight_bytes)
 
 BLOCK = 64
 HOST_PROFILE = False
+BY_WEIGHT = False
 
 
 def run_batch(model, batch: int, prompt: int, steps: int, rate: float, graphs: bool = True) -> dict:
@@ -60,6 +62,7 @@ def run_batch(model, batch: int, prompt: int, steps: int, rate: float, graphs: b
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     ops = profile_ops(engine, torch.device("cuda"))
+    by_weight = profile_by_weight(engine, torch.device("cuda"), rate) if BY_WEIGHT else None
     if HOST_PROFILE:
         import cProfile
         import pstats
@@ -76,7 +79,8 @@ def run_batch(model, batch: int, prompt: int, steps: int, rate: float, graphs: b
     return {"batch": batch, "cuda_graphs": graphs, "step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
             "ratio": round(step_ms / floor_ms, 2), "tokens_per_s": round(batch / step_ms * 1e3, 1),
             "weight_bytes": wb, "kv_bytes": kb, "prefill_s": round(prefill_s, 2),
-            "experts_touched_per_layer": round(sum(chosen.values()) / max(len(chosen), 1), 2), "ops_ms": ops}
+            "experts_touched_per_layer": round(sum(chosen.values()) / max(len(chosen), 1), 2), "ops_ms": ops} | (
+                {"by_weight": by_weight} if by_weight is not None else {})
 
 
 def main() -> None:
@@ -89,10 +93,13 @@ def main() -> None:
     ap.add_argument("--formats", choices=("checkpoint", "bf16"), default="checkpoint",
                     help="weights as the checkpoint stores them (default) or every linear in bf16")
     ap.add_argument("--host-profile", action="store_true", help="print a cProfile of one decode step")
+    ap.add_argument("--by-weight", action="store_true",
+                    help="one more step, eager, profiled per FP8 / invariant-linear weight shape and MoE layer "
+                         "(device ms, calls, ratio to each call's byte floor): the rows' by_weight")
     ap.add_argument("--graphs", default="on", help="on | off | on,off: decode steps replayed from CUDA graphs")
     args = ap.parse_args()
-    global HOST_PROFILE
-    HOST_PROFILE = args.host_profile
+    global HOST_PROFILE, BY_WEIGHT
+    HOST_PROFILE, BY_WEIGHT = args.host_profile, args.by_weight
     rate = copy_rate(torch.device("cuda"))
     t = time.perf_counter()
     model = make_model(args.preset, torch.device("cuda"), args.formats)
@@ -102,7 +109,7 @@ def main() -> None:
     for b in args.batches.split(","):
         for mode in args.graphs.split(","):
             rows.append(run_batch(model, int(b), args.prompt, args.steps, rate, mode == "on"))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "ops_ms"}), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("ops_ms", "by_weight")}), flush=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "preset": args.preset, "weights": args.formats, "copy_GBps": round(rate / 1e9, 1),
            "model_create_s": round(made_s, 1), "rows": rows}
@@ -112,6 +119,8 @@ def main() -> None:
         print(f"{r['batch']:>4} {str(r['cuda_graphs']):>6} {r['step_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['ratio']:>6.1f} {r['tokens_per_s']:>8.1f}")
         for k, v in list(r["ops_ms"].items())[:8]:
             print(f"      {v:8.3f} ms  {k}")
+        for k, v in list(r.get("by_weight", {}).items())[:12]:
+            print(f"      {v.get('ms', 0):8.3f} ms  {v.get('calls', 0):4d} calls  {v.get('ratio', '-'):>6}x  {k}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

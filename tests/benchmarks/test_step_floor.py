@@ -31,3 +31,36 @@ def test_kv_bytes_grow_with_the_full_sweeps_only():
     cfg = preset("v4.1-flash")
     assert kv_bytes(cfg, 1, 1 << 20) - kv_bytes(cfg, 1, 1 << 19) == (1 << 19) * 68 * 5 // 2
     assert kv_bytes(cfg, 1, 1 << 20) == 191_021_056  # 191 MB per row at 1M: 2.7 + 5.6 + 178.3 + 4.5 MB
+
+
+def test_profile_by_weight_labels_each_call_and_restores_the_model():
+    """On the CPU (times are CPU times): every invariant linear and MoE layer of a tiny step gets its label, the
+    head once per step, and the patched methods are the originals again afterwards."""
+    import torch
+
+    from _step_floor import profile_by_weight
+    from flashtier.engine.config import EngineConfig
+    from flashtier.engine.engine import Engine
+    from flashtier.engine.model import fp8_linear, numerics
+    from flashtier.engine.model.init import random_model
+    from flashtier.engine.model.moe import MoE
+    from flashtier.engine.model.placement import quantize_linears_
+    from flashtier.engine.sample.params import SamplingParams
+    from flashtier.kvstore.config import KVStoreConfig
+
+    cfg = preset("tiny")
+    model = random_model(cfg, seed=0, dtype=torch.float32)
+    quantize_linears_(model, "cpu")
+    engine = Engine(model, EngineConfig(max_num_seqs=2, forward="batched"), KVStoreConfig(block_size=16, num_blocks=64))
+    for i in range(2):
+        engine.add_request(f"r{i}", [5 + i, 9, 11, 13], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()  # the prefill
+    saved = (fp8_linear.Fp8Linear.forward, MoE.forward, numerics.invariant_linear)
+    rows = profile_by_weight(engine, torch.device("cpu"), rate=1e11)
+    assert (fp8_linear.Fp8Linear.forward, MoE.forward, numerics.invariant_linear) == saved
+    head = f"linear {cfg.vocab_size}x{cfg.hidden_size}"
+    assert rows[head]["calls"] == 1 and rows[head]["weight_bytes"] == cfg.vocab_size * cfg.hidden_size * 4
+    n_moe = sum(isinstance(b.ffn, MoE) for b in model.layers)
+    assert rows["moe layer"]["calls"] == n_moe  # each layer once (encoder layers on the encoder rows, decoder ...)
+    fp8 = [k for k in rows if k.startswith("fp8 ")]
+    assert fp8 and all(rows[k]["calls"] > 0 and rows[k]["ratio"] > 0 for k in fp8)
