@@ -32,7 +32,7 @@ from flashtier.engine.core.request import Request, Sequence
 from flashtier.engine.core.request_state import RequestStatus
 from flashtier.engine.runner.runner import ModelRunnerOutput
 from flashtier.engine.core.scheduler_output import DecoderKind, SchedulerOutput
-from flashtier.engine.spec.accept import draw
+from flashtier.engine.spec.accept import draw_on_device
 from flashtier.engine.spec.draft_graphs import DraftGraphs
 from flashtier.engine.spec.state import SpecState
 
@@ -132,7 +132,7 @@ class Drafter:
                 if not req.params.is_greedy:  # draw from q = softmax(logits / T), keep q
                     q = (logits[b] / req.params.temperature).softmax(dim=-1)
                     qs[b].append(q)
-                    nxt[b] = draw(q, seq.generator)
+                    nxt[b] = draw_on_device(q, seq.generator)
             tokens.append(nxt)
         drafts = torch.stack(tokens[1:], dim=1).tolist()
         scores = torch.stack(conf, dim=1)
