@@ -5,10 +5,9 @@
                   VERIFY: its chunk [n - rows, n), fed straight from this step's encoder rows)
 
 A decode-shaped step (every sequence one token, or its verified chunk, through both parts) replays a CUDA graph
-instead when graphs are on (``decode_graphs.py``), draft inputs included for a speculative engine. Mutates what ``ModelRunner`` mutates (tokens, rings, pool entries, partial groups,
-replay tails). Every
-sequence of the step must hold a ring-arena slot (``can_run``); the engine falls back to the
-per-sequence runner otherwise.
+instead when graphs are on (``decode_graphs.py``), draft inputs included for a speculative engine. Mutates
+what ``ModelRunner`` mutates (tokens, rings, pool entries, partial groups, replay tails). Every sequence of the
+step must hold a ring-arena slot (``can_run``); the engine falls back to the per-sequence runner otherwise.
 """
 
 from __future__ import annotations

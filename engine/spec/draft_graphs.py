@@ -1,22 +1,28 @@
-"""CUDA graphs for the drafter's proposal of greedy batches: the DSpark stages and the Markov head's loop.
+"""CUDA graphs for the drafter's proposal: the DSpark stages and the Markov head's loop.
 
 A proposal (spec/drafter.py) runs the three drafter stages over every drafting sequence's block of draft rows,
 then, for each of the k drafts, the Markov head, the shared head over the vocabulary, the confidence head and
-an argmax: some 500 kernel launches, launched from Python at every speculative step. For greedy sequences none
-of it reads a value on the host, so it is captured once per (sequence bucket, k):
+an argmax or a draw: some 500 kernel launches, launched from Python at every speculative step. None of it reads
+a value on the host, so it is captured once per (sequence bucket, k, whether any sequence samples):
 
-    B sequences, k drafts  ->  bucket Bb = the smallest size >= B (the decode graphs' sizes); graph k in it
+    B sequences, k drafts  ->  bucket Bb = the smallest size >= B (the decode graphs' sizes); graph (k, sampled)
     before the replay        static inputs rows 0..B-1 <- the sequences' rings (stacked), last tokens and
-                             positions; rows B..Bb-1 <- pad rows (empty rings, token 0 at position 0)
-    replay                   draft_rows -> k x (Markov bias, head logits, confidence, argmax)
-    after                    drafts [B, k] and confidences [B, k] of rows 0..B-1 copied out
+                             positions; rows B..Bb-1 <- pad rows (empty rings, token 0 at position 0); sampled:
+                             each sampling row's temperature and its k noise rows, drawn from its generator
+    replay                   draft_rows -> k x (Markov bias, head logits, confidence, argmax; sampled: also
+                             q = softmax(logits / T) and the exponential race argmax(q / noise) for its rows)
+    after                    drafts [B, k] and confidences [B, k] (and q [B, k, V]) of rows 0..B-1 copied out
+
+The draws are the eager proposal's (``accept.draw_on_device``: the exponential race): the same generators give
+the same noise in the same order, drawn before the replay (position by position, row by row, exactly as the
+eager loop draws them), and the race runs inside the graph. The sampled graphs' buffers (noise [Bb, depth, V],
+q [Bb, k, V]) are made at the first sampled proposal of a bucket only.
 
 Pad rows see only their own draft rows (their rings hold no position), so they read nothing of a sequence; a
-row's outputs depend on its own inputs only. A bucket's static inputs are shared by its k graphs; at most
-``MAX_BUCKETS`` buckets are kept, the least recently used dropped beyond that. Sequences that sample (a
-temperature) draw each draft from their own generator on the host's say-so and are proposed eagerly
-(``Drafter.propose``). Without CUDA (``capture=False``) the same padded program runs eagerly: the CPU tests check
-it against the eager proposal that way.
+row's outputs depend on its own inputs only. A bucket's static inputs are shared by its graphs; at most
+``MAX_BUCKETS`` buckets are kept, the least recently used dropped beyond that. Without CUDA
+(``capture=False``) the same padded program runs eagerly: the CPU tests check it against the eager proposal
+that way.
 
 Not thread-safe: the engine thread owns it. Mutates only its own buffers. Failure: a capture error propagates.
 """
@@ -36,10 +42,22 @@ MAX_BUCKETS = 16
 
 @dataclass(frozen=True)
 class DraftOutputs:
-    """A graph's outputs: the greedy drafts [B, k] (int64) and their acceptance scores [B, k]."""
+    """A graph's outputs: the drafts [B, k] (int64), their acceptance scores [B, k] and, when any row samples,
+    every row's draft distributions q [B, k, V] (only the sampling rows' are meaningful)."""
 
     drafts: torch.Tensor
     confidence: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """The sampling rows of a proposal: ``rows`` (indices into the proposal's sequences), their temperatures and
+    their noise [len(rows), k, V] (fp32 exponential draws, clamped to the smallest normal)."""
+
+    rows: tuple[int, ...]
+    temperature: tuple[float, ...]
+    noise: torch.Tensor
 
 
 @dataclass
@@ -48,7 +66,11 @@ class _Bucket:
     ring_pos: torch.Tensor  # [stages, Bb, W] int64 (-1: empty)
     last: torch.Tensor  # [Bb] int64
     positions: torch.Tensor  # [Bb] int64
-    graphs: dict[int, tuple[torch.cuda.CUDAGraph, DraftOutputs]] = field(default_factory=dict)  # k -> captured
+    # sampled graphs only (made at the bucket's first sampled proposal): noise [Bb, depth, V], T [Bb], mask [Bb]
+    noise: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
+    graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, DraftOutputs]] = field(default_factory=dict)
 
 
 def greedy_drafts(model, x: torch.Tensor, last: torch.Tensor, k: int) -> DraftOutputs:
@@ -64,11 +86,40 @@ def greedy_drafts(model, x: torch.Tensor, last: torch.Tensor, k: int) -> DraftOu
     return DraftOutputs(torch.stack(tokens[1:], dim=1), torch.stack(conf, dim=1))
 
 
+def sampled_drafts(model, x: torch.Tensor, last: torch.Tensor, k: int, noise: torch.Tensor,
+                   temperature: torch.Tensor, sampled: torch.Tensor) -> DraftOutputs:
+    """``greedy_drafts`` where the rows of ``sampled`` [B] (bool) draw instead: q = softmax(logits / T) and the
+    draft argmax(q / noise[:, i]) (the exponential race of ``accept.draw_on_device`` over the given noise
+    [B, >= k, V]); ``temperature`` [B] (1 on greedy rows). Returns q [B, k, V] too. Reads only."""
+    tokens, conf, qs = [last], [], []
+    for i in range(k):
+        bias, me = markov(model, tokens[i])
+        logits = (head_logits(model, x[:, i]) + bias).float()
+        conf.append(confidence(model, x[:, i], me))
+        q = (logits / temperature[:, None]).softmax(dim=-1)
+        qs.append(q)
+        tokens.append(torch.where(sampled, (q / noise[:, i]).argmax(dim=-1), logits.argmax(dim=-1)))
+    return DraftOutputs(torch.stack(tokens[1:], dim=1), torch.stack(conf, dim=1), torch.stack(qs, dim=1))
+
+
+def draw_noise(generators, k: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The noise the eager proposal would draw for its sampling rows (one generator each, None: the default):
+    [rows, k, V], position by position and row by row, each draw of V exponentials from its row's generator,
+    clamped as ``accept.draw_on_device`` clamps it. Mutates the generators (their draws consumed)."""
+    out = torch.empty(len(generators), k, vocab, dtype=torch.float32, device=device)
+    for i in range(k):
+        for j, gen in enumerate(generators):
+            row = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
+            out[j, i] = row.clamp_min_(torch.finfo(torch.float32).tiny)
+    return out
+
+
 class DraftGraphs:
-    def __init__(self, model, sizes: tuple[int, ...], *, capture: bool):
+    def __init__(self, model, sizes: tuple[int, ...], depth: int, *, capture: bool):
         """``sizes``: the sequence buckets (ascending; the largest is the most sequences a proposal may have);
-        ``capture``: CUDA graphs (else the padded program runs eagerly)."""
-        self.model, self.sizes, self.capture = model, tuple(sizes), capture
+        ``depth``: the most drafts a proposal asks for; ``capture``: CUDA graphs (else the padded program runs
+        eagerly)."""
+        self.model, self.sizes, self.depth, self.capture = model, tuple(sizes), depth, capture
         cfg = model.cfg
         self.stages, self.window, self.head_dim = len(model.mtp), cfg.sliding_window, cfg.head_dim
         self._buckets: OrderedDict[int, _Bucket] = OrderedDict()
@@ -87,12 +138,18 @@ class DraftGraphs:
         return self.sizes[-1]
 
     @torch.no_grad()
-    def run(self, rings: list[DSparkRings], last: torch.Tensor, positions: torch.Tensor, k: int) -> DraftOutputs:
-        """Greedy drafts [B, k] and confidences for the B sequences of ``rings`` (each ring holding its sequence's
-        real positions up to ``positions[b] - 1``), ``last`` [B] their last tokens. Copies: valid after the next
-        run. Mutates the bucket's static inputs (and captures its graph k at first use)."""
+    def run(self, rings: list[DSparkRings], last: torch.Tensor, positions: torch.Tensor, k: int,
+            sampling: DraftSampling | None = None) -> DraftOutputs:
+        """Drafts [B, k] and confidences for the B sequences of ``rings`` (each ring holding its sequence's real
+        positions up to ``positions[b] - 1``), ``last`` [B] their last tokens; ``sampling``: the rows that draw
+        (None: all greedy), with q of every row. Copies: valid after the next run. Mutates the bucket's static
+        inputs (and captures its graph at first use)."""
         b = len(rings)
+        assert 1 <= k <= self.depth, f"k must be in [1, {self.depth}], got {k}"
         bucket = self._bucket(next(s for s in self.sizes if s >= b))
+        sampled = sampling is not None
+        if sampled:
+            self._load_sampling(bucket, sampling, k)
         bucket.ring_kv[:, :b].copy_(torch.stack([r.kv for r in rings], dim=1))
         bucket.ring_pos[:, :b].copy_(torch.stack([r.pos for r in rings], dim=1))
         bucket.ring_pos[:, b:].fill_(-1)
@@ -102,26 +159,41 @@ class DraftGraphs:
         bucket.positions[b:].zero_()
         self.runs += 1
         if not self.capture:
-            out = self._program(bucket, k)
-            return DraftOutputs(out.drafts[:b], out.confidence[:b])
-        if k not in bucket.graphs:
-            self._capture(bucket, k)
-        graph, out = bucket.graphs[k]
+            out = self._program(bucket, k, sampled)
+            return DraftOutputs(out.drafts[:b], out.confidence[:b], None if out.q is None else out.q[:b])
+        if (k, sampled) not in bucket.graphs:
+            self._capture(bucket, k, sampled)
+        graph, out = bucket.graphs[(k, sampled)]
         graph.replay()
-        return DraftOutputs(out.drafts[:b].clone(), out.confidence[:b].clone())
+        return DraftOutputs(out.drafts[:b].clone(), out.confidence[:b].clone(),
+                            None if out.q is None else out.q[:b].clone())
 
     @torch.no_grad()
     def prepare(self, rows: int, k: int) -> bool:
-        """Capture graph ``k`` of the bucket of ``rows`` sequences over pad rows, before a proposal needs it (the
-        warm-up). Returns whether a graph was made."""
+        """Capture the greedy graph ``k`` of the bucket of ``rows`` sequences over pad rows, before a proposal
+        needs it (the warm-up; sampled graphs, whose buffers hold the vocabulary per row and draft, are made at
+        first use). Returns whether a graph was made."""
         size = next((s for s in self.sizes if s >= rows), None)
-        if size is None or (size in self._buckets and k in self._buckets[size].graphs):
+        if size is None or (size in self._buckets and (k, False) in self._buckets[size].graphs):
             return False
         bucket = self._bucket(size)
         if self.capture:
-            self._capture(bucket, k)
+            self._capture(bucket, k, False)
         return True
 
+    def _load_sampling(self, bucket: _Bucket, sampling: DraftSampling, k: int) -> None:
+        """The sampled graphs' inputs: every row greedy (T = 1, no draw) but ``sampling.rows``."""
+        if bucket.noise is None:
+            size, dev = bucket.last.numel(), bucket.last.device
+            bucket.noise = torch.ones(size, self.depth, self.model.cfg.vocab_size, dtype=torch.float32, device=dev)
+            bucket.temperature = torch.ones(size, dtype=torch.float32, device=dev)
+            bucket.sampled = torch.zeros(size, dtype=torch.bool, device=dev)
+        rows = torch.tensor(sampling.rows, dtype=torch.long, device=bucket.last.device)
+        bucket.temperature.fill_(1.0)
+        bucket.temperature[rows] = torch.tensor(sampling.temperature, dtype=torch.float32, device=rows.device)
+        bucket.sampled.zero_()
+        bucket.sampled[rows] = True
+        bucket.noise[rows, :k] = sampling.noise
     def _bucket(self, size: int) -> _Bucket:
         bucket = self._buckets.get(size)
         if bucket is None:
@@ -135,20 +207,22 @@ class DraftGraphs:
         self._buckets.move_to_end(size)
         return bucket
 
-    def _program(self, bucket: _Bucket, k: int) -> DraftOutputs:
+    def _program(self, bucket: _Bucket, k: int, sampled: bool) -> DraftOutputs:
         x = draft_rows(self.model, bucket.ring_kv, bucket.ring_pos, bucket.last, bucket.positions)
+        if sampled:
+            return sampled_drafts(self.model, x, bucket.last, k, bucket.noise, bucket.temperature, bucket.sampled)
         return greedy_drafts(self.model, x, bucket.last, k)
 
-    def _capture(self, bucket: _Bucket, k: int) -> None:
+    def _capture(self, bucket: _Bucket, k: int, sampled: bool) -> None:
         """Warm up on a side stream (Triton compiles, the allocator settles), then capture (a capture records,
         it does not execute). The static inputs hold whatever the last run left: only their shapes matter."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._program(bucket, k)
+            self._program(bucket, k, sampled)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._program(bucket, k)
-        bucket.graphs[k] = (graph, out)
+            out = self._program(bucket, k, sampled)
+        bucket.graphs[(k, sampled)] = (graph, out)
         self.captures += 1

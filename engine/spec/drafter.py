@@ -11,8 +11,8 @@
                   over sequences (model/dspark.py), then the Markov head's sequential loop here for the first
                   k of them (drafts past k are never verified): greedy requests take the argmax (q = one-hot),
                   sampled ones draw from q = softmax(l / T) with their own generator and keep q for the
-                  acceptance rule. A proposal of greedy sequences only replays a CUDA graph when the engine
-                  has them (spec/draft_graphs.py): the same ops over padded rows.
+                  acceptance rule. A proposal replays a CUDA graph when the engine has them
+                  (spec/draft_graphs.py): the same ops over padded rows, the draws' noise drawn first.
 
 Proposing at the start of the step that verifies the drafts (not at the end of the step before) lets the
 controller decide first: a step without drafts costs no drafting.
@@ -33,7 +33,7 @@ from flashtier.engine.core.request_state import RequestStatus
 from flashtier.engine.runner.runner import ModelRunnerOutput
 from flashtier.engine.core.scheduler_output import DecoderKind, SchedulerOutput
 from flashtier.engine.spec.accept import draw_on_device
-from flashtier.engine.spec.draft_graphs import DraftGraphs
+from flashtier.engine.spec.draft_graphs import DraftGraphs, DraftSampling, draw_noise
 from flashtier.engine.spec.state import SpecState
 
 Seed = tuple[Request, list[Sequence], torch.Tensor, int]  # (request, its sequences, draft inputs, first position)
@@ -101,6 +101,24 @@ class Drafter:
                 write_rings(s.spec.rings, kv[:, part], pos[part])
             at += h.shape[0]
 
+    def _propose_graphed(self, live: list[tuple[Request, Sequence]], last: torch.Tensor, pos: list[int],
+                         k: int) -> None:
+        """``propose`` through the drafter's CUDA graphs (spec/draft_graphs.py): the sampling rows' noise drawn
+        first from their generators, in the eager loop's order, so the drafts and q are the eager ones."""
+        dev = self.model.device
+        rows = [b for b, (req, _) in enumerate(live) if not req.params.is_greedy]
+        sampling = None
+        if rows:
+            noise = draw_noise([live[b][1].generator for b in rows], k, self.model.cfg.vocab_size, dev)
+            sampling = DraftSampling(tuple(rows), tuple(live[b][0].params.temperature for b in rows), noise)
+        out = self.graphs.run([s.spec.rings for _, s in live], last, torch.tensor(pos, device=dev), k, sampling)
+        drafts = out.drafts.tolist()
+        sampled = set(rows)
+        for b, (_, seq) in enumerate(live):
+            spec = seq.spec
+            spec.drafts, spec.draft_pos, spec.confidence = tuple(drafts[b]), pos[b], out.confidence[b]
+            spec.q = out.q[b] if b in sampled else None
+
     def propose(self, live: list[tuple[Request, Sequence]], n: int) -> None:
         """Draft ``n`` tokens for each of ``live`` (the proposal itself; a benchmark's oracle drafter overrides it).
         Mutates the sequences' ``spec`` and the generators of sampled requests."""
@@ -109,15 +127,8 @@ class Drafter:
         model, dev = self.model, self.model.device
         last = torch.tensor([s.output[-1] for _, s in live], device=dev)
         pos = [len(r.prompt) + len(s.output) - 1 for r, s in live]
-        if (self.graphs is not None and len(live) <= self.graphs.max_rows
-                and all(req.params.is_greedy for req, _ in live)):
-            k = min(model.cfg.dspark_block_size, self.depth, n)
-            out = self.graphs.run([s.spec.rings for _, s in live], last, torch.tensor(pos, device=dev), k)
-            drafts = out.drafts.tolist()
-            for b, (_, seq) in enumerate(live):
-                spec = seq.spec
-                spec.drafts, spec.draft_pos, spec.q = tuple(drafts[b]), pos[b], None
-                spec.confidence = out.confidence[b]
+        if self.graphs is not None and len(live) <= self.graphs.max_rows:
+            self._propose_graphed(live, last, pos, min(model.cfg.dspark_block_size, self.depth, n))
             return
         x = draft_block(model, [s.spec.rings for _, s in live], last, torch.tensor(pos, device=dev))
         n = min(x.shape[1], self.depth, n)

@@ -115,16 +115,16 @@ def test_graph_verify_steps_match_eager():
 
 
 def test_draft_graphs_match_the_eager_proposal():
-    """The drafter's captured greedy proposal (engine/spec/draft_graphs.py) against the eager ops on the same
-    rings: batches of 3 and 5 replayed from the 4- and 8-sequence graphs, k = 1 and 3. The drafts must be
-    equal and the confidences (fp32) agree to 1e-4 relative: only the attention's batched products see the
-    padded row count."""
+    """The drafter's captured proposal (engine/spec/draft_graphs.py) against the eager ops on the same rings:
+    batches of 3 and 5 replayed from the 4- and 8-sequence graphs, k = 1 and 3, greedy and with two sampling
+    rows (the same noise). The drafts must be equal, the confidences (fp32) agree to 1e-4 relative and q to
+    1e-6: only the attention's batched products see the padded row count."""
     from flashtier.engine.model.dspark import draft_block, new_rings
-    from flashtier.engine.spec.draft_graphs import DraftGraphs, greedy_drafts
+    from flashtier.engine.spec.draft_graphs import DraftGraphs, DraftSampling, draw_noise, greedy_drafts, sampled_drafts
 
     model = tiny_on_cuda("checkpoint", with_dspark=True)
     assert DraftGraphs.supported(model)
-    graphs = DraftGraphs(model, (1, 2, 4, 8), capture=True)
+    graphs = DraftGraphs(model, (1, 2, 4, 8), 3, capture=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b, k in ((3, 1), (5, 3), (3, 3)):
         rings, positions = [], []
@@ -144,4 +144,18 @@ def test_draft_graphs_match_the_eager_proposal():
         assert torch.equal(got.drafts, want.drafts) and torch.equal(got_again.drafts, want.drafts), (b, k)
         rel = float((got.confidence - want.confidence).abs().max() / want.confidence.abs().max())
         assert rel <= 1e-4, (b, k, rel)
-    assert graphs.captures == 3 and graphs.runs == 6
+        # rows 0 and 2 sample: the same noise through the captured sampled graph and the eager ops
+        noise = draw_noise([torch.Generator(device="cuda").manual_seed(7 + j) for j in (0, 2)], k,
+                           model.cfg.vocab_size, model.device)
+        sampling = DraftSampling((0, 2), (0.8, 1.1), noise)
+        full = torch.ones(b, k, model.cfg.vocab_size, device="cuda")
+        full[[0, 2]] = noise
+        temp = torch.ones(b, device="cuda")
+        temp[0], temp[2] = 0.8, 1.1
+        mask = torch.zeros(b, dtype=torch.bool, device="cuda")
+        mask[[0, 2]] = True
+        want = sampled_drafts(model, draft_block(model, rings, last, pos), last, k, full, temp, mask)
+        got = graphs.run(rings, last, pos, k, sampling)
+        assert torch.equal(got.drafts, want.drafts), (b, k)
+        assert float((got.q - want.q).abs().max()) <= 1e-6, (b, k)
+    assert graphs.captures == 6 and graphs.runs == 9

@@ -5,8 +5,10 @@ rows and buckets a capture records. Two speculative engines on the same float64 
 stages) run the same 10 greedy requests with the real drafter, 3 drafts every step: one proposes eagerly, one
 through the padded program (batches of 10, then fewer as requests finish, padded to buckets 16, 8, 4, ...). Every
 proposal's drafts must be equal and their confidences agree to 1e-5 relative (only the row count of each op
-differs; the confidence head computes in fp32 whatever the model's precision: measured 3e-7); the tokens must be equal to plain decoding's. A batch with a sampled request proposes eagerly (the
-draws need each request's generator). A Markov loop that drops the Markov bias must fail the comparison.
+differs; the confidence head computes in fp32 whatever the model's precision: measured 3e-7); the tokens must be
+equal to plain decoding's. Sampled requests beside greedy ones: the noise drawn before the replay from each
+request's generator, in the eager loop's order, gives the eager drafts, q and tokens. A Markov loop that drops
+the Markov bias must fail the comparison.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from flashtier.engine.spec import draft_graphs
 from flashtier.engine.spec.draft_graphs import DraftGraphs
 
 from .conftest import random_prompt
-from .spec_harness import GREEDY, make, run
+from .spec_harness import DEPTH, GREEDY, make, run
 
 TOL = 1e-5  # the confidence head runs in fp32 (as the official one) even on a float64 model: fp32 summation order
 REQUESTS = [(f"r{i}", random_prompt(5 + (11 * i) % 23, seed=400 + i),
@@ -56,7 +58,7 @@ def _proposals(engine, rids: list | None = None) -> list[list[tuple[tuple[int, .
 def _engine(model, graphs: bool):
     eng = make(model)
     if graphs:
-        eng.drafter.graphs = DraftGraphs(model, (1, 2, 4, 8, 16), capture=False)
+        eng.drafter.graphs = DraftGraphs(model, (1, 2, 4, 8, 16), DEPTH, capture=False)
     return eng
 
 
@@ -79,15 +81,41 @@ def test_padded_proposals_match_eager(model, plain):
     assert g.runs == len(pad_p) >= 5 and set(g._buckets) >= {16, 8}, (g.runs, list(g._buckets))
 
 
-def test_a_sampled_request_proposes_eagerly(model):
-    eng = _engine(model, True)
-    reqs = REQUESTS[:3] + [("s9", random_prompt(9, seed=9), SamplingParams(temperature=0.8, seed=5, max_tokens=4,
-                                                                           ignore_eos=True))]
-    rids = []
-    _proposals(eng, rids)
-    run(eng, reqs)
-    sampled_steps = sum(1 for ids in rids if "s9" in ids)
-    assert 0 < sampled_steps < len(rids) and eng.drafter.graphs.runs == len(rids) - sampled_steps
+def test_sampled_proposals_match_eager(model):
+    """Seeded sampled requests (and greedy ones beside them) through the graph path: the same noise from the same
+    generators in the same order, so the same drafts, the same q (1e-6: fp32 softmax over another row count) and
+    the same tokens (the drafts' draws and the acceptance rule's share each request's generator: equal tokens
+need equal consumption)."""
+    reqs = [(rid, prompt, SamplingParams(temperature=0.7 + 0.1 * i, seed=11 + i, max_tokens=8, ignore_eos=True))
+            for i, (rid, prompt, _) in enumerate(REQUESTS[:5])] + REQUESTS[5:8]
+    qs = {}
+
+    def engine(graphs):
+        eng = _engine(model, graphs)
+        seen = qs.setdefault(graphs, [])
+        propose = eng.drafter.propose
+
+        def wrapped(live, n):
+            propose(live, n)
+            seen.append([None if s.spec.q is None else s.spec.q.clone() for _, s in live])
+
+        eng.drafter.propose = wrapped
+        return eng
+
+    ref, padded = engine(False), engine(True)
+    ref_p, pad_p = _proposals(ref), _proposals(padded)
+    want, got = run(ref, reqs), run(padded, reqs)
+    assert got == want
+    assert _worst(ref_p, pad_p) < TOL
+    assert padded.drafter.graphs.runs == len(pad_p)
+    n_q = 0
+    for a, b in zip(qs[False], qs[True]):
+        for qa, qb in zip(a, b):
+            assert (qa is None) == (qb is None)
+            if qa is not None:
+                assert qa.shape == qb.shape and float((qa - qb).abs().max()) <= 1e-6
+                n_q += 1
+    assert n_q >= 10
 
 
 def test_a_loop_without_the_markov_bias_is_caught(model, monkeypatch):

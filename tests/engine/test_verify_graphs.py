@@ -3,8 +3,8 @@ forward, on the CPU.
 
 Without CUDA the graph object runs its padded static program eagerly (``capture=False``): the same buffers, pad
 rows and buckets a capture records. Two speculative engines on the same float64 tiny model (with its drafter
-stages) run the same 12 greedy requests (14 tokens each), a quarter of them kept on plain decoding (steps mix VERIFY chunks and
-DECODE rows): one eager, one whose decode-shaped steps (plain decodes and verified chunks) go through the padded
+stages) run the same 12 greedy requests (14 tokens each), a quarter of them kept on plain decoding (steps mix
+VERIFY chunks and DECODE rows): one eager, one whose decode-shaped steps (plain decodes and verified chunks) go through the padded
 path with the draft-input taps. Drafts come from a drafter forced to propose the target's own continuation,
 wrong from a varying position on (every acceptance length, rollbacks), or from the real drafter (nearly always
 rejected). Per step, the logits and the draft inputs must agree to 1e-12 relative (only the row count of each
