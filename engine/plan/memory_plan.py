@@ -439,8 +439,10 @@ def _graphs(cfg: ModelConfig, par: ParallelConfig, engine: EngineConfig, res: _R
     per_bucket = rows * (cfg.vocab_size * 4 + 2 * cfg.hc_mult * cfg.hidden_size * 4 + table * 4
                          + taps * cfg.hidden_size * 4)
     pool, _ = activation_bytes(cfg, par, rows, rows, context, block_size)
-    # the drafter's graphs (spec/draft_graphs.py): every stage's ring window per sequence, per sequence bucket
-    drafts = sum(sizes) * cfg.num_nextn_predict_layers * cfg.sliding_window * (cfg.head_dim * 4 + 8) if taps else 0
+    # the drafter's graphs (spec/draft_graphs.py), per sequence bucket: every stage's ring window per sequence, and
+    # (once sampled proposals reach the bucket) the noise and q of every draft, a vocabulary each in fp32
+    drafts = sum(sizes) * (cfg.num_nextn_predict_layers * cfg.sliding_window * (cfg.head_dim * 4 + 8)
+                           + 2 * engine.speculative_tokens * cfg.vocab_size * 4) if taps else 0
     basis = (f"estimate: {buckets} buckets (<= {MAX_GRAPHS}) x {rows} rows of static logits/streams/tables"
              f"{' /draft inputs' if taps else ''} + one {rows}-row decode step's activations (shared pool)"
              f"{' + the drafter graphs ring buffers' if taps else ''}")

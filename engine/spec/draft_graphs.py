@@ -15,8 +15,8 @@ a value on the host, so it is captured once per (sequence bucket, k, whether any
 
 The draws are the eager proposal's (``accept.draw_on_device``: the exponential race): the same generators give
 the same noise in the same order, drawn before the replay (position by position, row by row, exactly as the
-eager loop draws them), and the race runs inside the graph. The sampled graphs' buffers (noise [Bb, depth, V],
-q [Bb, k, V]) are made at the first sampled proposal of a bucket only.
+eager loop draws them), and the race runs inside the graph. The sampled graphs' buffers (noise and q, each
+[Bb, depth, V]) are made at the first sampled proposal of a bucket only.
 
 Pad rows see only their own draft rows (their rings hold no position), so they read nothing of a sequence; a
 row's outputs depend on its own inputs only. A bucket's static inputs are shared by its graphs; at most
@@ -66,8 +66,10 @@ class _Bucket:
     ring_pos: torch.Tensor  # [stages, Bb, W] int64 (-1: empty)
     last: torch.Tensor  # [Bb] int64
     positions: torch.Tensor  # [Bb] int64
-    # sampled graphs only (made at the bucket's first sampled proposal): noise [Bb, depth, V], T [Bb], mask [Bb]
+    # sampled graphs only (made at the bucket's first sampled proposal): noise and q [Bb, depth, V], T [Bb],
+    # mask [Bb]; graph k writes q[:, :k] (one q buffer for the bucket's graphs, not one each)
     noise: torch.Tensor | None = None
+    q: torch.Tensor | None = None
     temperature: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
     graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, DraftOutputs]] = field(default_factory=dict)
@@ -160,7 +162,8 @@ class DraftGraphs:
         self.runs += 1
         if not self.capture:
             out = self._program(bucket, k, sampled)
-            return DraftOutputs(out.drafts[:b], out.confidence[:b], None if out.q is None else out.q[:b])
+            # q is a view of the bucket's buffer, which the next proposal overwrites: a copy, as after a replay
+            return DraftOutputs(out.drafts[:b], out.confidence[:b], None if out.q is None else out.q[:b].clone())
         if (k, sampled) not in bucket.graphs:
             self._capture(bucket, k, sampled)
         graph, out = bucket.graphs[(k, sampled)]
@@ -186,6 +189,7 @@ class DraftGraphs:
         if bucket.noise is None:
             size, dev = bucket.last.numel(), bucket.last.device
             bucket.noise = torch.ones(size, self.depth, self.model.cfg.vocab_size, dtype=torch.float32, device=dev)
+            bucket.q = torch.zeros_like(bucket.noise)
             bucket.temperature = torch.ones(size, dtype=torch.float32, device=dev)
             bucket.sampled = torch.zeros(size, dtype=torch.bool, device=dev)
         rows = torch.tensor(sampling.rows, dtype=torch.long, device=bucket.last.device)
@@ -209,9 +213,11 @@ class DraftGraphs:
 
     def _program(self, bucket: _Bucket, k: int, sampled: bool) -> DraftOutputs:
         x = draft_rows(self.model, bucket.ring_kv, bucket.ring_pos, bucket.last, bucket.positions)
-        if sampled:
-            return sampled_drafts(self.model, x, bucket.last, k, bucket.noise, bucket.temperature, bucket.sampled)
-        return greedy_drafts(self.model, x, bucket.last, k)
+        if not sampled:
+            return greedy_drafts(self.model, x, bucket.last, k)
+        out = sampled_drafts(self.model, x, bucket.last, k, bucket.noise, bucket.temperature, bucket.sampled)
+        bucket.q[:, :k].copy_(out.q)  # the stacked q is freed: a capture's pool reuses it
+        return DraftOutputs(out.drafts, out.confidence, bucket.q[:, :k])
 
     def _capture(self, bucket: _Bucket, k: int, sampled: bool) -> None:
         """Warm up on a side stream (Triton compiles, the allocator settles), then capture (a capture records,
