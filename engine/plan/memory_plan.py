@@ -435,7 +435,7 @@ def _graphs(cfg: ModelConfig, par: ParallelConfig, engine: EngineConfig, res: _R
     n_tables = max(1, table.bit_length() - MIN_TABLE.bit_length() + 1)
     # a speculative engine keeps a second set (its verify steps' graphs return the draft inputs too)
     taps = len(cfg.dspark_target_layer_ids) if engine.speculative_tokens else 0
-    buckets = min(MAX_GRAPHS, len(sizes) * n_tables * (2 if taps else 1))
+    buckets = min(MAX_GRAPHS, len(sizes) * n_tables) * (2 if taps else 1)  # MAX_GRAPHS per set
     per_bucket = rows * (cfg.vocab_size * 4 + 2 * cfg.hc_mult * cfg.hidden_size * 4 + table * 4
                          + taps * cfg.hidden_size * 4)
     pool, _ = activation_bytes(cfg, par, rows, rows, context, block_size)
@@ -443,7 +443,7 @@ def _graphs(cfg: ModelConfig, par: ParallelConfig, engine: EngineConfig, res: _R
     # (once sampled proposals reach the bucket) the noise and q of every draft, a vocabulary each in fp32
     drafts = sum(sizes) * (cfg.num_nextn_predict_layers * cfg.sliding_window * (cfg.head_dim * 4 + 8)
                            + 2 * engine.speculative_tokens * cfg.vocab_size * 4) if taps else 0
-    basis = (f"estimate: {buckets} buckets (<= {MAX_GRAPHS}) x {rows} rows of static logits/streams/tables"
+    basis = (f"estimate: {buckets} buckets (<= {MAX_GRAPHS} per set) x {rows} rows of static logits/streams/tables"
              f"{' /draft inputs' if taps else ''} + one {rows}-row decode step's activations (shared pool)"
              f"{' + the drafter graphs ring buffers' if taps else ''}")
     return PlanRow(Row.GRAPHS, buckets * per_bucket + pool + drafts, basis, estimate=True)

@@ -23,7 +23,7 @@ so they touch no sequence's state. Every static metadata row is rewritten before
 real in a bigger batch becomes a pad row again); the pad rows' Engram feed keeps finite stale values, which only
 their own outputs read.
 
-Graphs share one memory pool (they never run at once); at most ``MAX_GRAPHS`` buckets are kept, the least
+Graphs share one memory pool (they never run at once); at most ``MAX_GRAPHS`` buckets per set are kept, the least
 recently used one dropped beyond that (a long-running server meets many table widths). Without CUDA (``capture=False``) the same padded static
 program runs eagerly: the CPU tests check the padding against the eager step that way.
 
@@ -51,7 +51,7 @@ from flashtier.engine.model.transformer import Transformer
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_TABLE = 16  # smallest block-table bucket (blocks)
-MAX_GRAPHS = 32  # buckets kept (each holds its static inputs and its graph's outputs: ~40 MB at 64 rows)
+MAX_GRAPHS = 32  # buckets kept per set (plain, verify; each bucket ~40 MB of static inputs and outputs at 64 rows)
 # per-row fields copied in before each replay (``last_rows`` stays every row: the program's logits are all rows')
 _ROW_FIELDS = ("positions", "row_seq", "block_table", "win_ring_row", "win_step_row", "win_from_step",
                "win_start", "win_count", "ring_src_rows", "ring_dst_rows", "ngram_tokens")
@@ -140,8 +140,7 @@ class DecodeGraphs:
         key = (bucket_size(rows, self.sizes), table_bucket(table), tuple(taps))
         if key[0] is None or key in self._buckets:
             return False
-        while len(self._buckets) >= MAX_GRAPHS:
-            self._buckets.popitem(last=False)
+        self._make_room(key[2])
         bucket = self._buckets[key] = self._new_bucket(*key)
         if self.capture:
             self._capture(bucket)
@@ -156,8 +155,7 @@ class DecodeGraphs:
         key = (bucket_size(t, self.sizes), table_bucket(mb), tuple(taps))
         bucket = self._buckets.get(key)
         if bucket is None:
-            while len(self._buckets) >= MAX_GRAPHS:
-                self._buckets.popitem(last=False)  # its graph and buffers go with it
+            self._make_room(key[2])
             bucket = self._buckets[key] = self._new_bucket(*key)
         self._buckets.move_to_end(key)
         self._load(bucket, step)
@@ -173,6 +171,13 @@ class DecodeGraphs:
         out = bucket.out
         hidden = None if out.hidden is None else out.hidden[:t].clone()
         return StepOutputs(out.logits[:t].clone(), out.x, out.pre, out.opened, hidden)
+
+    def _make_room(self, taps: tuple[int, ...]) -> None:
+        """Drop the least recently used buckets of the set of ``taps`` (plain or verify) until it holds fewer than
+        ``MAX_GRAPHS``: one set's churn never evicts the other's graphs. Their graphs and buffers go with them."""
+        same = [k for k in self._buckets if k[2] == taps]  # least recently used first
+        for k in same[: max(0, len(same) - MAX_GRAPHS + 1)]:
+            del self._buckets[k]
 
     @contextmanager
     def _feeding(self, bucket: _Bucket):

@@ -146,3 +146,21 @@ def test_a_chunk_without_its_in_step_partner_is_caught(model, plain, monkeypatch
     worst = max((_rel(a[0], b[0]) for a, b in zip(ref_steps, bad_steps) if a[0] is not None
                  and b[0] is not None and a[0].shape == b[0].shape), default=0.0)
     assert worst > 1e-6
+
+
+def test_each_set_keeps_its_own_buckets(model, monkeypatch):
+    """The plain and verify sets evict their least recently used buckets separately: verify churn never drops a
+    plain decode graph (nor the reverse)."""
+    import flashtier.engine.runner.decode_graphs as dg
+
+    monkeypatch.setattr(dg, "MAX_GRAPHS", 2)
+    eng = make(model)
+    paged, taps = eng.runner.paged, eng.runner.taps
+    graphs = DecodeGraphs(model, paged.views, eng.kvm.arena.pad_slot, paged.sources, capture=False, max_rows=8)
+    assert graphs.prepare(1) and graphs.prepare(2)
+    for rows in (1, 2, 4, 8):
+        assert graphs.prepare(rows, taps)
+    keys = list(graphs._buckets)
+    assert [k for k in keys if not k[2]] == [(1, 16, ()), (2, 16, ())]
+    assert [k for k in keys if k[2]] == [(4, 16, taps), (8, 16, taps)]
+    assert graphs.prepare(4) and (1, 16, ()) not in graphs._buckets and (4, 16, taps) in graphs._buckets
