@@ -128,7 +128,7 @@ class Engine:
                                   taps=cfg.dspark_target_layer_ids if depth else ())
         decode_graphs = self.runner.paged.graphs if self.runner.paged is not None else None
         if self.drafter is not None and decode_graphs is not None and DraftGraphs.supported(model):
-            # greedy proposals replay graphs too, one bucket per decode graph size (spec/draft_graphs.py)
+            # the drafter's proposals replay graphs too, one bucket per decode graph size (spec/draft_graphs.py)
             self.drafter.graphs = DraftGraphs(model, decode_graphs.sizes, depth, capture=True)
         self.postprocessor = Postprocessor(
             self.scheduler, Sampler(eos_token_id=cfg.eos_token_id), eos_token_id=cfg.eos_token_id,

@@ -198,6 +198,7 @@ class DraftGraphs:
         bucket.sampled.zero_()
         bucket.sampled[rows] = True
         bucket.noise[rows, :k] = sampling.noise
+
     def _bucket(self, size: int) -> _Bucket:
         bucket = self._buckets.get(size)
         if bucket is None:

@@ -41,7 +41,7 @@ Seed = tuple[Request, list[Sequence], torch.Tensor, int]  # (request, its sequen
 
 class Drafter:
     def __init__(self, model: Transformer, depth: int, graphs: DraftGraphs | None = None):
-        """``graphs``: replay greedy proposals from CUDA graphs (None: every proposal eager)."""
+        """``graphs``: replay proposals from CUDA graphs (spec/draft_graphs.py; None: every proposal eager)."""
         if len(model.mtp) == 0:
             raise ValueError("speculative decoding needs the model's DSpark stages (build it with_dspark=True)")
         if not 1 <= depth <= model.cfg.dspark_block_size:
