@@ -58,15 +58,9 @@ def target_rows(logits: torch.Tensor, rows: Sequence[SamplerRow],
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from ``probs`` [V] (need not sum to 1) by the exponential race, with ``generator``'s draws."""
-    return int(draw_on_device(probs, generator))
-
-
-def draw_on_device(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """``draw`` without reading the token on the host: a 0-d int64 tensor on ``probs``' device (the drafter's
-    loop feeds it to the next draft position, so a sampled proposal waits for the device once, not per draw)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax()
+    return int((probs / noise).argmax())
 
 
 def accept_greedy(target_ids: Sequence[int], drafts: Sequence[int]) -> list[int]:

@@ -1,4 +1,4 @@
-"""CUDA graphs for the drafter's proposal: the DSpark stages and the Markov head's loop.
+"""The drafter's proposal program (the Markov loop over the DSpark stages' output) and its CUDA graphs.
 
 A proposal (spec/drafter.py) runs the three drafter stages over every drafting sequence's block of draft rows,
 then, for each of the k drafts, the Markov head, the shared head over the vocabulary, the confidence head and
@@ -13,10 +13,11 @@ a value on the host, so it is captured once per (sequence bucket, k, whether any
                              q = softmax(logits / T) and the exponential race argmax(q / noise) for its rows)
     after                    drafts [B, k] and confidences [B, k] (and q [B, k, V]) of rows 0..B-1 copied out
 
-The draws are the eager proposal's (``accept.draw_on_device``: the exponential race): the same generators give
-the same noise in the same order, drawn before the replay (position by position, row by row, exactly as the
-eager loop draws them), and the race runs inside the graph. The sampled graphs' buffers (noise and q, each
-[Bb, depth, V]) are made at the first sampled proposal of a bucket only.
+A draw is the exponential race (``accept.draw``): token = argmax(q / noise), noise V exponentials from the
+request's generator per draft position, drawn before the program runs (``draw_noise``: position by position,
+row by row) so that no draw reads the host and the eager program (``propose_rows``, a batch too large for the
+graphs or an engine without them) and the graphs consume the generators alike. The sampled graphs' buffers
+(noise and q, each [Bb, depth, V]) are made at the first sampled proposal of a bucket only.
 
 Pad rows see only their own draft rows (their rings hold no position), so they read nothing of a sequence; a
 row's outputs depend on its own inputs only. A bucket's static inputs are shared by its graphs; at most
@@ -105,15 +106,39 @@ def sampled_drafts(model, x: torch.Tensor, last: torch.Tensor, k: int, noise: to
 
 
 def draw_noise(generators, k: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """The noise the eager proposal would draw for its sampling rows (one generator each, None: the default):
-    [rows, k, V], position by position and row by row, each draw of V exponentials from its row's generator,
-    clamped as ``accept.draw_on_device`` clamps it. Mutates the generators (their draws consumed)."""
+    """The sampling rows' noise (one generator each, None: the default): [rows, k, V], position by position and
+    row by row, each draw of V exponentials from its row's generator, clamped as ``accept.draw`` clamps it.
+    Mutates the generators (their draws consumed)."""
     out = torch.empty(len(generators), k, vocab, dtype=torch.float32, device=device)
     for i in range(k):
         for j, gen in enumerate(generators):
             row = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
             out[j, i] = row.clamp_min_(torch.finfo(torch.float32).tiny)
     return out
+
+
+def sampling_inputs(sampling: DraftSampling, rows: int, k: int, vocab: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sampled_drafts``' inputs for ``rows`` rows of which ``sampling.rows`` draw: noise [rows, k, V] (1 on
+    greedy rows), temperature [rows] (1 on greedy rows), the sampled mask [rows]."""
+    idx = torch.tensor(sampling.rows, dtype=torch.long, device=device)
+    noise = torch.ones(rows, k, vocab, dtype=torch.float32, device=device)
+    noise[idx] = sampling.noise
+    temperature = torch.ones(rows, dtype=torch.float32, device=device)
+    temperature[idx] = torch.tensor(sampling.temperature, dtype=torch.float32, device=device)
+    mask = torch.zeros(rows, dtype=torch.bool, device=device)
+    mask[idx] = True
+    return noise, temperature, mask
+
+
+def propose_rows(model, x: torch.Tensor, last: torch.Tensor, k: int, sampling: DraftSampling | None
+                 ) -> DraftOutputs:
+    """The proposal over the stages' output x [B, block, D] of B sequences, unpadded and eager: greedy, or with
+    ``sampling``'s rows drawing (q of every row returned). Reads only."""
+    if sampling is None:
+        return greedy_drafts(model, x, last, k)
+    noise, temperature, mask = sampling_inputs(sampling, last.numel(), k, model.cfg.vocab_size, last.device)
+    return sampled_drafts(model, x, last, k, noise, temperature, mask)
 
 
 class DraftGraphs:
@@ -151,7 +176,7 @@ class DraftGraphs:
         bucket = self._bucket(next(s for s in self.sizes if s >= b))
         sampled = sampling is not None
         if sampled:
-            self._load_sampling(bucket, sampling, k)
+            self._load_sampling(bucket, sampling, b, k)
         bucket.ring_kv[:, :b].copy_(torch.stack([r.kv for r in rings], dim=1))
         bucket.ring_pos[:, :b].copy_(torch.stack([r.pos for r in rings], dim=1))
         bucket.ring_pos[:, b:].fill_(-1)
@@ -184,20 +209,20 @@ class DraftGraphs:
             self._capture(bucket, k, False)
         return True
 
-    def _load_sampling(self, bucket: _Bucket, sampling: DraftSampling, k: int) -> None:
-        """The sampled graphs' inputs: every row greedy (T = 1, no draw) but ``sampling.rows``."""
+    def _load_sampling(self, bucket: _Bucket, sampling: DraftSampling, b: int, k: int) -> None:
+        """The sampled graphs' inputs: rows 0..b-1 from ``sampling_inputs``, the pad rows greedy (T = 1)."""
+        size, dev = bucket.last.numel(), bucket.last.device
         if bucket.noise is None:
-            size, dev = bucket.last.numel(), bucket.last.device
             bucket.noise = torch.ones(size, self.depth, self.model.cfg.vocab_size, dtype=torch.float32, device=dev)
             bucket.q = torch.zeros_like(bucket.noise)
             bucket.temperature = torch.ones(size, dtype=torch.float32, device=dev)
             bucket.sampled = torch.zeros(size, dtype=torch.bool, device=dev)
-        rows = torch.tensor(sampling.rows, dtype=torch.long, device=bucket.last.device)
-        bucket.temperature.fill_(1.0)
-        bucket.temperature[rows] = torch.tensor(sampling.temperature, dtype=torch.float32, device=rows.device)
-        bucket.sampled.zero_()
-        bucket.sampled[rows] = True
-        bucket.noise[rows, :k] = sampling.noise
+        noise, temperature, mask = sampling_inputs(sampling, b, k, self.model.cfg.vocab_size, dev)
+        bucket.noise[:b, :k].copy_(noise)
+        bucket.temperature[:b].copy_(temperature)
+        bucket.temperature[b:].fill_(1.0)
+        bucket.sampled[:b].copy_(mask)
+        bucket.sampled[b:].zero_()
 
     def _bucket(self, size: int) -> _Bucket:
         bucket = self._buckets.get(size)

@@ -11,8 +11,8 @@
                   over sequences (model/dspark.py), then the Markov head's sequential loop here for the first
                   k of them (drafts past k are never verified): greedy requests take the argmax (q = one-hot),
                   sampled ones draw from q = softmax(l / T) with their own generator and keep q for the
-                  acceptance rule. A proposal replays a CUDA graph when the engine has them
-                  (spec/draft_graphs.py): the same ops over padded rows, the draws' noise drawn first.
+                  acceptance rule (the draws' noise drawn first, spec/draft_graphs.py). A proposal replays a
+                  CUDA graph when the engine has them: the same program over padded rows.
 
 Proposing at the start of the step that verifies the drafts (not at the end of the step before) lets the
 controller decide first: a step without drafts costs no drafting.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtier.engine.model.dspark import confidence, draft_block, head_logits, markov, new_rings, ring_kv, write_rings
+from flashtier.engine.model.dspark import draft_block, new_rings, ring_kv, write_rings
 from flashtier.engine.model.transformer import Transformer
 from collections.abc import Iterable
 
@@ -32,8 +32,7 @@ from flashtier.engine.core.request import Request, Sequence
 from flashtier.engine.core.request_state import RequestStatus
 from flashtier.engine.runner.runner import ModelRunnerOutput
 from flashtier.engine.core.scheduler_output import DecoderKind, SchedulerOutput
-from flashtier.engine.spec.accept import draw_on_device
-from flashtier.engine.spec.draft_graphs import DraftGraphs, DraftSampling, draw_noise
+from flashtier.engine.spec.draft_graphs import DraftGraphs, DraftSampling, draw_noise, propose_rows
 from flashtier.engine.spec.state import SpecState
 
 Seed = tuple[Request, list[Sequence], torch.Tensor, int]  # (request, its sequences, draft inputs, first position)
@@ -101,53 +100,29 @@ class Drafter:
                 write_rings(s.spec.rings, kv[:, part], pos[part])
             at += h.shape[0]
 
-    def _propose_graphed(self, live: list[tuple[Request, Sequence]], last: torch.Tensor, pos: list[int],
-                         k: int) -> None:
-        """``propose`` through the drafter's CUDA graphs (spec/draft_graphs.py): the sampling rows' noise drawn
-        first from their generators, in the eager loop's order, so the drafts and q are the eager ones."""
-        dev = self.model.device
-        rows = [b for b, (req, _) in enumerate(live) if not req.params.is_greedy]
-        sampling = None
-        if rows:
-            noise = draw_noise([live[b][1].generator for b in rows], k, self.model.cfg.vocab_size, dev)
-            sampling = DraftSampling(tuple(rows), tuple(live[b][0].params.temperature for b in rows), noise)
-        out = self.graphs.run([s.spec.rings for _, s in live], last, torch.tensor(pos, device=dev), k, sampling)
-        drafts = out.drafts.tolist()
-        sampled = set(rows)
-        for b, (_, seq) in enumerate(live):
-            spec = seq.spec
-            spec.drafts, spec.draft_pos, spec.confidence = tuple(drafts[b]), pos[b], out.confidence[b]
-            spec.q = out.q[b] if b in sampled else None
-
     def propose(self, live: list[tuple[Request, Sequence]], n: int) -> None:
-        """Draft ``n`` tokens for each of ``live`` (the proposal itself; a benchmark's oracle drafter overrides it).
-        Mutates the sequences' ``spec`` and the generators of sampled requests."""
+        """Draft ``n`` tokens for each of ``live`` (the proposal itself; a benchmark's oracle drafter overrides it):
+        the sampling rows' noise drawn first from their generators, then the program, replayed from a graph when
+        the engine has them and the batch fits (spec/draft_graphs.py). Mutates the sequences' ``spec`` and the
+        generators of sampled requests."""
         if not live:
             return
         model, dev = self.model, self.model.device
         last = torch.tensor([s.output[-1] for _, s in live], device=dev)
         pos = [len(r.prompt) + len(s.output) - 1 for r, s in live]
+        positions, rings = torch.tensor(pos, device=dev), [s.spec.rings for _, s in live]
+        k = min(model.cfg.dspark_block_size, self.depth, n)
+        rows = [b for b, (req, _) in enumerate(live) if not req.params.is_greedy]
+        sampling = None
+        if rows:  # draw from q = softmax(logits / T) with each request's generator, keep q
+            noise = draw_noise([live[b][1].generator for b in rows], k, model.cfg.vocab_size, dev)
+            sampling = DraftSampling(tuple(rows), tuple(live[b][0].params.temperature for b in rows), noise)
         if self.graphs is not None and len(live) <= self.graphs.max_rows:
-            self._propose_graphed(live, last, pos, min(model.cfg.dspark_block_size, self.depth, n))
-            return
-        x = draft_block(model, [s.spec.rings for _, s in live], last, torch.tensor(pos, device=dev))
-        n = min(x.shape[1], self.depth, n)
-        tokens, conf = [last], []
-        qs: list[list[torch.Tensor]] = [[] for _ in live]
-        for i in range(n):
-            bias, me = markov(model, tokens[i])
-            logits = (head_logits(model, x[:, i]) + bias).float()
-            conf.append(confidence(model, x[:, i], me))
-            nxt = logits.argmax(dim=-1)
-            for b, (req, seq) in enumerate(live):
-                if not req.params.is_greedy:  # draw from q = softmax(logits / T), keep q
-                    q = (logits[b] / req.params.temperature).softmax(dim=-1)
-                    qs[b].append(q)
-                    nxt[b] = draw_on_device(q, seq.generator)
-            tokens.append(nxt)
-        drafts = torch.stack(tokens[1:], dim=1).tolist()
-        scores = torch.stack(conf, dim=1)
-        for b, (req, seq) in enumerate(live):
+            out = self.graphs.run(rings, last, positions, k, sampling)
+        else:
+            out = propose_rows(model, draft_block(model, rings, last, positions), last, k, sampling)
+        drafts, sampled = out.drafts.tolist(), set(rows)
+        for b, (_, seq) in enumerate(live):
             spec = seq.spec
-            spec.drafts, spec.draft_pos, spec.confidence = tuple(drafts[b]), pos[b], scores[b]
-            spec.q = torch.stack(qs[b]) if qs[b] else None
+            spec.drafts, spec.draft_pos, spec.confidence = tuple(drafts[b]), pos[b], out.confidence[b]
+            spec.q = out.q[b] if b in sampled else None

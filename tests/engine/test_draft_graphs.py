@@ -1,4 +1,4 @@
-"""The drafter's graph path (engine/spec/draft_graphs.py) against its eager proposal, on the CPU.
+"""The drafter's graph path (engine/spec/draft_graphs.py) against its unpadded program, on the CPU.
 
 Without CUDA the graph object runs its padded static program eagerly (``capture=False``): the same buffers, pad
 rows and buckets a capture records. Two speculative engines on the same float64 tiny model (with its drafter
@@ -6,9 +6,10 @@ stages) run the same 10 greedy requests with the real drafter, 3 drafts every st
 through the padded program (batches of 10, then fewer as requests finish, padded to buckets 16, 8, 4, ...). Every
 proposal's drafts must be equal and their confidences agree to 1e-5 relative (only the row count of each op
 differs; the confidence head computes in fp32 whatever the model's precision: measured 3e-7); the tokens must be
-equal to plain decoding's. Sampled requests beside greedy ones: the noise drawn before the replay from each
-request's generator, in the eager loop's order, gives the eager drafts, q and tokens. A Markov loop that drops
-the Markov bias must fail the comparison.
+equal to plain decoding's. Sampled requests beside greedy ones: the noise drawn from each request's generator
+before the program runs, padded or not, gives the same drafts, q and tokens (that the drafts follow q, and the
+tokens the target distribution, is test_speculative.py's chi-square). A graph program that drops the Markov bias
+must fail the comparison.
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ def test_padded_proposals_match_eager(model, plain):
 
 
 def test_sampled_proposals_match_eager(model):
-    """Seeded sampled requests (and greedy ones beside them) through the graph path: the same noise from the same
-    generators in the same order, so the same drafts, the same q (1e-6: fp32 softmax over another row count) and
-    the same tokens (the drafts' draws and the acceptance rule's share each request's generator: equal tokens
-need equal consumption)."""
+    """Seeded sampled requests (and greedy ones beside them) through the graph path and unpadded: the same noise
+    from the same generators, so the same drafts, the same q (1e-6: fp32 softmax over another row count) and the
+    same tokens (the drafts' draws and the acceptance rule's share each request's generator: equal tokens need
+    equal consumption)."""
     reqs = [(rid, prompt, SamplingParams(temperature=0.7 + 0.1 * i, seed=11 + i, max_tokens=8, ignore_eos=True))
             for i, (rid, prompt, _) in enumerate(REQUESTS[:5])] + REQUESTS[5:8]
     qs = {}
@@ -118,13 +119,20 @@ need equal consumption)."""
     assert n_q >= 10
 
 
-def test_a_loop_without_the_markov_bias_is_caught(model, monkeypatch):
+def test_a_graph_program_without_the_markov_bias_is_caught(model):
     ref, bad = _engine(model, False), _engine(model, True)
     ref_p, bad_p = _proposals(ref), _proposals(bad)
 
-    real = draft_graphs.markov
-    no_bias_fn = lambda m, t: (torch.zeros_like(real(m, t)[0]), real(m, t)[1])  # noqa: E731
-    monkeypatch.setattr(draft_graphs, "markov", no_bias_fn)
+    def no_bias(bucket, k, sampled):
+        x = draft_graphs.draft_rows(model, bucket.ring_kv, bucket.ring_pos, bucket.last, bucket.positions)
+        tokens, conf = [bucket.last], []
+        for i in range(k):
+            _, me = draft_graphs.markov(model, tokens[i])
+            conf.append(draft_graphs.confidence(model, x[:, i], me))
+            tokens.append(draft_graphs.head_logits(model, x[:, i]).float().argmax(dim=-1))
+        return draft_graphs.DraftOutputs(torch.stack(tokens[1:], dim=1), torch.stack(conf, dim=1))
+
+    bad.drafter.graphs._program = no_bias
     run(ref, REQUESTS[:4]), run(bad, REQUESTS[:4])
     first_ref, first_bad = ref_p[0], bad_p[0]
     assert [d for d, _ in first_ref] != [d for d, _ in first_bad] or any(
