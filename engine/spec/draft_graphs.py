@@ -13,9 +13,9 @@ a value on the host, so it is captured once per (sequence bucket, k, whether any
                              q = softmax(logits / T) and the exponential race argmax(q / noise) for its rows)
     after                    drafts [B, k] and confidences [B, k] (and q [B, k, V]) of rows 0..B-1 copied out
 
-A draw is the exponential race (``accept.draw``): token = argmax(q / noise), noise V exponentials from the
-request's generator per draft position, drawn before the program runs (``draw_noise``: position by position,
-row by row) so that no draw reads the host and the eager program (``propose_rows``, a batch too large for the
+A draw is the exponential race (``accept.draw``): token = argmax(q / noise), noise V exponentials per draft
+position from the request's generator (the default one for a request without a seed), drawn before the program
+runs (``draw_noise``) so that no draw reads the host and the eager program (``propose_rows``, a batch too large for the
 graphs or an engine without them) and the graphs consume the generators alike. The sampled graphs' buffers
 (noise and q, each [Bb, depth, V]) are made at the first sampled proposal of a bucket only.
 
@@ -106,15 +106,19 @@ def sampled_drafts(model, x: torch.Tensor, last: torch.Tensor, k: int, noise: to
 
 
 def draw_noise(generators, k: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """The sampling rows' noise (one generator each, None: the default): [rows, k, V], position by position and
-    row by row, each draw of V exponentials from its row's generator, clamped as ``accept.draw`` clamps it.
-    Mutates the generators (their draws consumed)."""
+    """The sampling rows' noise [rows, k, V] fp32, clamped as ``accept.draw`` clamps it: a row with a generator
+    (a seeded request) draws its k x V exponentials from it in one call, the rows without one share one call of
+    the default generator (as the sampler's ``exponential_race`` does): 1 + seeded rows launches per proposal,
+    not one per row and draft. Mutates the generators (their draws consumed)."""
     out = torch.empty(len(generators), k, vocab, dtype=torch.float32, device=device)
-    for i in range(k):
-        for j, gen in enumerate(generators):
-            row = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
-            out[j, i] = row.clamp_min_(torch.finfo(torch.float32).tiny)
-    return out
+    unseeded = [j for j, gen in enumerate(generators) if gen is None]
+    if unseeded:
+        shared = torch.empty(len(unseeded), k, vocab, dtype=torch.float32, device=device).exponential_()
+        out[torch.tensor(unseeded, device=device)] = shared
+    for j, gen in enumerate(generators):
+        if gen is not None:
+            out[j].exponential_(generator=gen)
+    return out.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def sampling_inputs(sampling: DraftSampling, rows: int, k: int, vocab: int, device: torch.device
