@@ -48,8 +48,10 @@ class OracleDrafter(Drafter):
     """The real drafter's work, then its drafts replaced by the recorded greedy continuation, each right with
     probability ``accept`` until the first wrong one (a seeded RNG: the same run twice drafts the same)."""
 
-    def __init__(self, model, depth: int, want: dict[str, list[int]], accept: float, seed: int = 0):
-        super().__init__(model, depth)
+    def __init__(self, model, depth: int, want: dict[str, list[int]], accept: float, seed: int = 0,
+                 graphs=None):
+        """``graphs``: the engine's drafter graphs (its real proposal replays them, as the engine's own would)."""
+        super().__init__(model, depth, graphs)
         self.want, self.accept, self.rng = want, accept, random.Random(seed)
 
     def propose(self, live: list[tuple[Request, Sequence]], n: int) -> None:
@@ -115,8 +117,8 @@ def engine_for(model, args, batch: int, mode: str, want=None, accept=None) -> En
                        dtype=args.dtype, device=args.device, speculative_tokens=depth,
                        speculative_min_confidence=0.0, speculative_adaptive=mode == "controller", forward="batched")
     eng = Engine(model, cfg, KVStoreConfig(block_size=64, num_blocks=args.blocks))
-    if depth:
-        eng.drafter = OracleDrafter(model, depth, want, accept)
+    if depth:  # the engine's draft graphs kept: the real drafter's cost is the captured one
+        eng.drafter = OracleDrafter(model, depth, want, accept, graphs=eng.drafter.graphs)
     return eng
 
 
@@ -132,6 +134,12 @@ def row(model, args, batch: int, mode: str, want=None, accept=None) -> tuple[dic
          "mean_accepted": round(s.spec_accepted_tokens / s.spec_drafts, 3) if s.spec_drafts else 0.0}
     if eng.spec_control is not None:
         r["steps_by_draft_length"] = [a - b for a, b in zip(eng.spec_control.steps_by_length, before)]
+    paged = eng.runner.paged
+    if paged is not None and paged.graphs is not None:  # steps and proposals replayed (warm batch included)
+        r["graph_steps"] = paged.graphs.runs
+        r["graph_captures"] = paged.graphs.captures
+        if eng.drafter is not None and eng.drafter.graphs is not None:
+            r["draft_graph_runs"] = eng.drafter.graphs.runs
     return r, {**warm, **out}
 
 
