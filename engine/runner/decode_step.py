@@ -65,7 +65,7 @@ def _rows_by_seq(batch: SchedulerOutput) -> dict[int, int] | None:
     if not dec or len(enc) != len(dec):
         return None
     fed = {id(w.seq.kv): len(w.tokens) for w in enc}
-    if len(fed) != len(enc):
+    if len(fed) != len(enc) or len({id(w.seq.kv) for w in dec}) != len(dec):  # one work per sequence each side
         return None
     for w in dec:
         r = fed.get(id(w.seq.kv))
