@@ -22,7 +22,8 @@ prefill (chunked at the token budget), the first-token sampling and the captured
 A speculative engine's verify steps replay a second set of graphs (the draft inputs returned too) that the
 throwaway batches need not reach (the goodput controller may not draft in them): each of its row buckets is
 captured over pad rows afterwards (``DecodeGraphs.prepare``, block tables of the smallest bucket), and so is
-each of its drafter's graphs (``DraftGraphs.prepare``: every sequence bucket and draft length).
+each of its drafter's graphs (``DraftGraphs.prepare``: every sequence bucket, draft length, greedy and sampled;
+the sampled ones' noise and q buffers, which the memory plan counts, are made here).
 
 The tiers are detached meanwhile (nothing reaches the SSD tier or the snapshot pool) and the scheduler's and the
 engine's counters are restored afterwards, so /metrics starts from zero. The throwaway prompts' blocks stay in
@@ -110,7 +111,8 @@ def _prepare_verify_graphs(engine: Engine) -> tuple[int, float]:
     made = sum(graphs.prepare(rows, taps) for rows in graphs.sizes)
     drafts = engine.drafter.graphs if engine.drafter is not None else None
     if drafts is not None:
-        made += sum(drafts.prepare(rows, k) for rows in drafts.sizes for k in range(1, engine.drafter.depth + 1))
+        made += sum(drafts.prepare(rows, k, sampled) for rows in drafts.sizes
+                    for k in range(1, engine.drafter.depth + 1) for sampled in (False, True))
     log.info("warm-up: %d verify and draft graphs in %.2f s", made, time.monotonic() - t0)
     return made, time.monotonic() - t0
 

@@ -15,9 +15,10 @@ a value on the host, so it is captured once per (sequence bucket, k, whether any
 
 A draw is the exponential race (``accept.draw``): token = argmax(q / noise), noise V exponentials per draft
 position from the request's generator (the default one for a request without a seed), drawn before the program
-runs (``draw_noise``) so that no draw reads the host and the eager program (``propose_rows``, a batch too large for the
-graphs or an engine without them) and the graphs consume the generators alike. The sampled graphs' buffers
-(noise and q, each [Bb, depth, V]) are made at the first sampled proposal of a bucket only.
+runs (``draw_noise``) so that no draw reads the host and the eager program (``propose_rows``, a batch too large
+for the graphs or an engine without them) and the graphs consume the generators alike. The sampled graphs'
+buffers (noise and q, each [Bb, depth, V]) are made when the warm-up prepares the bucket's sampled graphs (or at
+its first sampled proposal).
 
 Pad rows see only their own draft rows (their rings hold no position), so they read nothing of a sequence; a
 row's outputs depend on its own inputs only. A bucket's static inputs are shared by its graphs; at most
@@ -201,26 +202,33 @@ class DraftGraphs:
                             None if out.q is None else out.q[:b].clone())
 
     @torch.no_grad()
-    def prepare(self, rows: int, k: int) -> bool:
-        """Capture the greedy graph ``k`` of the bucket of ``rows`` sequences over pad rows, before a proposal
-        needs it (the warm-up; sampled graphs, whose buffers hold the vocabulary per row and draft, are made at
-        first use). Returns whether a graph was made."""
+    def prepare(self, rows: int, k: int, sampled: bool = False) -> bool:
+        """Make the bucket of ``rows`` sequences (with its sampling buffers when ``sampled``) and capture its graph
+        (k, sampled) over pad rows, before a proposal needs it (the warm-up). Returns whether a graph was
+        captured (never without CUDA)."""
         size = next((s for s in self.sizes if s >= rows), None)
-        if size is None or (size in self._buckets and (k, False) in self._buckets[size].graphs):
+        if size is None or (size in self._buckets and (k, sampled) in self._buckets[size].graphs):
             return False
         bucket = self._bucket(size)
+        if sampled:
+            self._sampling_buffers(bucket)
         if self.capture:
-            self._capture(bucket, k, False)
-        return True
+            self._capture(bucket, k, sampled)
+        return self.capture
 
-    def _load_sampling(self, bucket: _Bucket, sampling: DraftSampling, b: int, k: int) -> None:
-        """The sampled graphs' inputs: rows 0..b-1 from ``sampling_inputs``, the pad rows greedy (T = 1)."""
-        size, dev = bucket.last.numel(), bucket.last.device
+    def _sampling_buffers(self, bucket: _Bucket) -> None:
+        """The bucket's sampled-graph buffers, made once: noise and q [Bb, depth, V], every row greedy."""
         if bucket.noise is None:
+            size, dev = bucket.last.numel(), bucket.last.device
             bucket.noise = torch.ones(size, self.depth, self.model.cfg.vocab_size, dtype=torch.float32, device=dev)
             bucket.q = torch.zeros_like(bucket.noise)
             bucket.temperature = torch.ones(size, dtype=torch.float32, device=dev)
             bucket.sampled = torch.zeros(size, dtype=torch.bool, device=dev)
+
+    def _load_sampling(self, bucket: _Bucket, sampling: DraftSampling, b: int, k: int) -> None:
+        """The sampled graphs' inputs: rows 0..b-1 from ``sampling_inputs``, the pad rows greedy (T = 1)."""
+        self._sampling_buffers(bucket)
+        dev = bucket.last.device
         noise, temperature, mask = sampling_inputs(sampling, b, k, self.model.cfg.vocab_size, dev)
         bucket.noise[:b, :k].copy_(noise)
         bucket.temperature[:b].copy_(temperature)

@@ -141,3 +141,15 @@ def test_a_graph_program_without_the_markov_bias_is_caught(model):
     first_ref, first_bad = ref_p[0], bad_p[0]
     assert [d for d, _ in first_ref] != [d for d, _ in first_bad] or any(
         not torch.allclose(ca, cb, rtol=1e-6) for (_, ca), (_, cb) in zip(first_ref, first_bad))
+
+
+def test_prepare_makes_the_sampled_buffers(model):
+    """The warm-up's ``prepare(..., sampled=True)`` makes a bucket's noise and q buffers (what the memory plan
+    counts) up front; without CUDA nothing is captured, so it reports no graph made."""
+    graphs = DraftGraphs(model, (1, 2, 4), DEPTH, capture=False)
+    assert graphs.prepare(3, 2) is False and graphs._buckets[4].noise is None
+    assert graphs.prepare(3, 2, sampled=True) is False
+    bucket = graphs._buckets[4]
+    assert bucket.noise.shape == bucket.q.shape == (4, DEPTH, model.cfg.vocab_size)
+    assert not bool(bucket.sampled.any()) and bool((bucket.temperature == 1).all())
+    assert graphs.prepare(5, 1) is False and set(graphs._buckets) == {4}  # past the largest bucket: nothing
