@@ -54,3 +54,34 @@ def test_no_compile_after_warm_up():
     finally:
         knobs.runtime.jit_post_compile_hook = hook
     assert compiled == [], f"compiled after the warm-up: {compiled}"
+
+
+def test_speculative_steps_capture_nothing_after_warm_up():
+    """A speculative engine (fixed depth 3: every decode step verifies) warmed at graph sizes 1 and 8 serves
+    greedy and sampled requests without a new verify or draft graph captured or a kernel compiled on the request
+    path, and its verify and draft graphs replay (short prompts: the smallest block-table bucket)."""
+    from triton import knobs
+
+    cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=8, forward="batched", dtype="bfloat16",
+                       device="cuda", cuda_graph_sizes=(1, 8), speculative_tokens=3, speculative_adaptive=False)
+    engine = Engine(tiny_on_cuda("checkpoint", with_dspark=True), cfg, KVStoreConfig(block_size=16, num_blocks=600))
+    report = warm_up(engine)
+    graphs, drafts = engine.runner.paged.graphs, engine.drafter.graphs
+    assert drafts is not None and report.verify_graphs > 0
+    captures, draft_captures = graphs.captures, drafts.captures
+    compiled = []
+    hook = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"].split("[")[0])
+    try:
+        runs, draft_runs = graphs.runs, drafts.runs
+        _serve(engine, [20, 9, 33], seed=300)
+        for i, n in enumerate([12, 25]):
+            engine.add_request(f"t{i}", random_prompt(n, seed=400 + i),
+                               SamplingParams(temperature=0.8, seed=i, max_tokens=5, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        knobs.runtime.jit_post_compile_hook = hook
+    assert compiled == [], f"compiled after the warm-up: {compiled}"
+    assert (graphs.captures, drafts.captures) == (captures, draft_captures)
+    assert graphs.runs > runs and drafts.runs > draft_runs
