@@ -100,7 +100,7 @@ def _long_prompts(engine: Engine) -> tuple[int, ...]:
     return tuple(sorted({min(n, cap) for n in wanted if min(n, cap) > block + 8}))
 
 
-def _prepare_verify_graphs(engine: Engine) -> tuple[int, float]:
+def _prepare_speculative_graphs(engine: Engine) -> tuple[int, float]:
     """A speculative engine's verify buckets, one per graph row size, and its drafter's graphs, one per sequence
     bucket and draft length (module docstring): (made, seconds)."""
     paged, taps = engine.runner.paged, engine.runner.taps
@@ -149,7 +149,7 @@ def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpRepor
                         engine.step()
             seconds.append(time.monotonic() - t0)
             log.info("warm-up: batch %d in %.2f s", b, seconds[-1])
-        verify_graphs, verify_s = _prepare_verify_graphs(engine)
+        verify_graphs, verify_s = _prepare_speculative_graphs(engine)
     finally:
         for rid in list(scheduler.requests):  # a failed step: nothing throwaway stays queued
             engine.abort(rid)

@@ -34,7 +34,7 @@ class DenseWrites:
     entry_pos: torch.Tensor  # [T] int64 entry index * ratio (its RoPE position)
     waiting_kv: torch.Tensor | None  # [T, hd] fp32 ratio 2: the first token's kv (zeros where none); else None
     waiting_z: torch.Tensor | None  # [T, hd] fp32 its gate scores
-    partner: torch.Tensor | None = None  # [T] int64 ratio 2: the first token's row in this part, -1: waiting_*
+    partner: torch.Tensor | None  # [T] int64 ratio 2: the first token's row in this part (-1: waiting_*); else None
 
 
 def write_dense(block: Block, h: torch.Tensor, w: DenseWrites, main: torch.Tensor, index: torch.Tensor
@@ -51,11 +51,10 @@ def write_dense(block: Block, h: torch.Tensor, w: DenseWrites, main: torch.Tenso
         latent = comp.project_single(h)
     else:
         kv, z = comp.project_pairs(h)
-        first_kv, first_z = w.waiting_kv.to(kv.dtype), w.waiting_z.to(z.dtype)
-        if w.partner is not None:  # the first token of the pair computed in this part (a multi-row sequence)
-            in_step = (w.partner >= 0)[:, None]
-            at = w.partner.clamp(min=0)
-            first_kv, first_z = torch.where(in_step, kv[at], first_kv), torch.where(in_step, z[at], first_z)
+        in_step = (w.partner >= 0)[:, None]  # the pair's first token computed in this part (a multi-row sequence)
+        at = w.partner.clamp(min=0)
+        first_kv = torch.where(in_step, kv[at], w.waiting_kv.to(kv.dtype))
+        first_z = torch.where(in_step, z[at], w.waiting_z.to(z.dtype))
         pairs_kv = torch.stack((first_kv, kv), dim=1)
         pairs_z = torch.stack((first_z, z), dim=1)
         latent = comp.pool_pairs(pairs_kv, pairs_z)

@@ -56,28 +56,25 @@ class DecodeStep:
 
     @property
     def firsts(self) -> tuple[int, ...]:
-        return tuple(int(f) for f in np.cumsum((0,) + self.lengths[:-1]))
+        return _firsts(self.lengths)
 
 
-def _rows_by_seq(batch: SchedulerOutput) -> dict[int, int] | None:
-    """id(kv) -> rows of the sequence, when the step is decode-shaped (module docstring), else None."""
-    enc, dec = batch.encoder, batch.decoder
-    if not dec or len(enc) != len(dec):
-        return None
-    fed = {id(w.seq.kv): len(w.tokens) for w in enc}
-    if len(fed) != len(enc) or len({id(w.seq.kv) for w in dec}) != len(dec):  # one work per sequence each side
-        return None
-    for w in dec:
-        r = fed.get(id(w.seq.kv))
-        if r is None or w.rows != r or (w.kind is DecoderKind.DECODE and r != 1) or w.kind is DecoderKind.REPLAY:
-            return None
-    return fed
+def _firsts(lengths) -> tuple[int, ...]:
+    """Each sequence's first row when sequences of ``lengths`` rows lie back to back."""
+    return tuple(int(f) for f in np.cumsum([0, *lengths[:-1]]))
 
 
 def is_decode_shaped(batch: SchedulerOutput) -> bool:
     """Every sequence of the step feeds some tokens and decodes exactly those rows: one (DECODE) or its VERIFY
-    chunk. Reads only."""
-    return _rows_by_seq(batch) is not None
+    chunk; one work per sequence on each side. Reads only."""
+    enc, dec = batch.encoder, batch.decoder
+    if not dec or len(enc) != len(dec):
+        return False
+    fed = {id(w.seq.kv): len(w.tokens) for w in enc}
+    if len(fed) != len(enc) or len({id(w.seq.kv) for w in dec}) != len(dec):
+        return False
+    return all(fed.get(id(w.seq.kv)) == w.rows and w.kind is not DecoderKind.REPLAY
+               and (w.kind is not DecoderKind.DECODE or w.rows == 1) for w in dec)
 
 
 def decode_rows_of(batch: SchedulerOutput) -> int:
@@ -146,8 +143,7 @@ def build_decode_step(batch: SchedulerOutput, window: int, ngram: int, sources: 
     for src, (ratio, per_block) in sources.items():
         writes[src], counts[src] = _dense(seqs, positions, lengths, src, ratio, per_block, head_dim, dev)
     enc = dataclasses.replace(enc, writes=writes)
-    firsts = np.cumsum([0] + lengths[:-1])
-    first_of = {id(kv): int(f) for kv, f in zip(seqs, firsts)}
+    first_of = {id(kv): f for kv, f in zip(seqs, _firsts(lengths))}
     dec_spans, perm = [], []
     for w in batch.decoder:
         kv = w.seq.kv

@@ -38,6 +38,7 @@ import torch
 
 from flashtier.engine.model.dspark import DSparkRings, confidence, draft_rows, head_logits, markov
 from flashtier.engine.model.moe import MoE
+from flashtier.engine.runner.decode_graphs import bucket_size
 
 MAX_BUCKETS = 16
 
@@ -122,18 +123,17 @@ def draw_noise(generators, k: int, vocab: int, device: torch.device) -> torch.Te
     return out.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def sampling_inputs(sampling: DraftSampling, rows: int, k: int, vocab: int, device: torch.device
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``sampled_drafts``' inputs for ``rows`` rows of which ``sampling.rows`` draw: noise [rows, k, V] (1 on
-    greedy rows), temperature [rows] (1 on greedy rows), the sampled mask [rows]."""
-    idx = torch.tensor(sampling.rows, dtype=torch.long, device=device)
-    noise = torch.ones(rows, k, vocab, dtype=torch.float32, device=device)
-    noise[idx] = sampling.noise
-    temperature = torch.ones(rows, dtype=torch.float32, device=device)
-    temperature[idx] = torch.tensor(sampling.temperature, dtype=torch.float32, device=device)
-    mask = torch.zeros(rows, dtype=torch.bool, device=device)
+def fill_sampling(sampling: DraftSampling, noise: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor
+                  ) -> None:
+    """Write ``sampled_drafts``' inputs in place: the sampling rows' noise (``noise`` [rows, >= k, V]; the other
+    rows' noise is left as it is, ``sampled_drafts`` never reads it for them), every row's temperature (1 where
+    greedy) and the sampled mask. Mutates the three tensors."""
+    idx = torch.tensor(sampling.rows, dtype=torch.long, device=noise.device)
+    noise[idx, : sampling.noise.shape[1]] = sampling.noise
+    temperature.fill_(1.0)
+    temperature[idx] = torch.tensor(sampling.temperature, dtype=torch.float32, device=noise.device)
+    mask.zero_()
     mask[idx] = True
-    return noise, temperature, mask
 
 
 def propose_rows(model, x: torch.Tensor, last: torch.Tensor, k: int, sampling: DraftSampling | None
@@ -142,7 +142,10 @@ def propose_rows(model, x: torch.Tensor, last: torch.Tensor, k: int, sampling: D
     ``sampling``'s rows drawing (q of every row returned). Reads only."""
     if sampling is None:
         return greedy_drafts(model, x, last, k)
-    noise, temperature, mask = sampling_inputs(sampling, last.numel(), k, model.cfg.vocab_size, last.device)
+    b, dev = last.numel(), last.device
+    noise = torch.ones(b, k, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+    temperature, mask = torch.empty(b, dtype=torch.float32, device=dev), torch.empty(b, dtype=torch.bool, device=dev)
+    fill_sampling(sampling, noise, temperature, mask)
     return sampled_drafts(model, x, last, k, noise, temperature, mask)
 
 
@@ -178,10 +181,11 @@ class DraftGraphs:
         inputs (and captures its graph at first use)."""
         b = len(rings)
         assert 1 <= k <= self.depth, f"k must be in [1, {self.depth}], got {k}"
-        bucket = self._bucket(next(s for s in self.sizes if s >= b))
+        bucket = self._bucket(bucket_size(b, self.sizes))
         sampled = sampling is not None
-        if sampled:
-            self._load_sampling(bucket, sampling, b, k)
+        if sampled:  # the pad rows (and greedy rows) get T = 1 and no draw
+            self._sampling_buffers(bucket)
+            fill_sampling(sampling, bucket.noise, bucket.temperature, bucket.sampled)
         bucket.ring_kv[:, :b].copy_(torch.stack([r.kv for r in rings], dim=1))
         bucket.ring_pos[:, :b].copy_(torch.stack([r.pos for r in rings], dim=1))
         bucket.ring_pos[:, b:].fill_(-1)
@@ -206,7 +210,7 @@ class DraftGraphs:
         """Make the bucket of ``rows`` sequences (with its sampling buffers when ``sampled``) and capture its graph
         (k, sampled) over pad rows, before a proposal needs it (the warm-up). Returns whether a graph was
         captured (never without CUDA)."""
-        size = next((s for s in self.sizes if s >= rows), None)
+        size = bucket_size(rows, self.sizes)
         if size is None or (size in self._buckets and (k, sampled) in self._buckets[size].graphs):
             return False
         bucket = self._bucket(size)
@@ -224,17 +228,6 @@ class DraftGraphs:
             bucket.q = torch.zeros_like(bucket.noise)
             bucket.temperature = torch.ones(size, dtype=torch.float32, device=dev)
             bucket.sampled = torch.zeros(size, dtype=torch.bool, device=dev)
-
-    def _load_sampling(self, bucket: _Bucket, sampling: DraftSampling, b: int, k: int) -> None:
-        """The sampled graphs' inputs: rows 0..b-1 from ``sampling_inputs``, the pad rows greedy (T = 1)."""
-        self._sampling_buffers(bucket)
-        dev = bucket.last.device
-        noise, temperature, mask = sampling_inputs(sampling, b, k, self.model.cfg.vocab_size, dev)
-        bucket.noise[:b, :k].copy_(noise)
-        bucket.temperature[:b].copy_(temperature)
-        bucket.temperature[b:].fill_(1.0)
-        bucket.sampled[:b].copy_(mask)
-        bucket.sampled[b:].zero_()
 
     def _bucket(self, size: int) -> _Bucket:
         bucket = self._buckets.get(size)
