@@ -213,3 +213,83 @@ def profile_by_weight(engine: Engine, device: torch.device, rate: float) -> dict
             row["ratio"] = round(ms / e.count / (nbytes[e.key] / rate * 1e3), 2)
         out[e.key] = row
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def step_phases(engine: Engine, device: torch.device, steps: int) -> dict[str, float]:
+    """Where a graph-replayed decode step's wall time goes: ``steps`` more ``engine.step()`` calls, each timed on
+    the host at the replay's edges, and the replay itself timed on the device (CUDA events around
+    ``CUDAGraph.replay``; on the CPU, where the padded program runs eagerly, the program on the host). Medians in
+    ms over the steps that replayed once:
+
+        before_load   step start -> the static inputs' load (scheduling, building the DecodeStep)
+        load          the load: row copies into the bucket, the Engram host gather
+        launch        the host's replay call
+        after         replay call returned -> the step returned, device drained (logits copies, sampling and its
+                      host wait, install, postprocess)
+        replay_device the replay's device time
+        step          the whole step; ``step - replay_device`` is time the device was not running the graph
+
+    Returns {"skipped": reason} for an engine without decode graphs. Restores what it patches."""
+    paged = engine.runner.paged
+    graphs = paged.graphs if paged is not None else None
+    if graphs is None:
+        return {"skipped": "no decode graphs"}
+    cuda = device.type == "cuda"
+    marks: dict[str, float] = {}
+    events: list = []
+
+    def timed(name, fn):
+        def wrapped(*args, **kwargs):
+            marks[name + "0"] = time.perf_counter()
+            if name == "run" and cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                events.append((start, end))
+            else:
+                out = fn(*args, **kwargs)
+            marks[name + "1"] = time.perf_counter()
+            return out
+        return wrapped
+
+    saved_load = graphs._load
+    graphs._load = timed("load", saved_load)
+    own_replay = "replay" in vars(torch.cuda.CUDAGraph)  # else inherited from the C base class
+    if cuda:
+        saved_replay = torch.cuda.CUDAGraph.replay
+        torch.cuda.CUDAGraph.replay = timed("run", saved_replay)
+    else:
+        saved_program = graphs._program
+        graphs._program = timed("run", saved_program)
+    rows: dict[str, list[float]] = defaultdict(list)
+    try:
+        for _ in range(steps):
+            marks.clear()
+            events.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            sync(device)
+            t1 = time.perf_counter()
+            if "run1" not in marks or "load0" not in marks or len(events) > 1:
+                continue
+            rows["before_load"].append(marks["load0"] - t0)
+            rows["load"].append(marks["load1"] - marks["load0"])
+            rows["launch"].append(marks["run1"] - marks["run0"])
+            rows["after"].append(t1 - marks["run1"])
+            rows["step"].append(t1 - t0)
+            rows["replay_device"].append(events[0][0].elapsed_time(events[0][1]) / 1e3 if cuda
+                                         else marks["run1"] - marks["run0"])
+    finally:
+        del graphs._load  # the instance attributes go: the class's methods are found again
+        if cuda and own_replay:
+            torch.cuda.CUDAGraph.replay = saved_replay
+        elif cuda:
+            del torch.cuda.CUDAGraph.replay
+        else:
+            del graphs._program
+    if not rows:
+        return {"skipped": "no step replayed a graph"}
+    out = {k: round(sorted(v)[len(v) // 2] * 1e3, 3) for k, v in rows.items()}
+    out["steps"] = len(rows["step"])
+    return out

@@ -28,21 +28,22 @@ from flashtier.engine.sample.params import SamplingParams
 from flashtier.kvstore.config import KVStoreConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared floor accounting (run as python3 -P)
-from _step_floor import (copy_rate, kv_bytes, make_model, profile_by_weight, profile_ops,  # noqa: E402
+from _step_floor import (copy_rate, kv_bytes, make_model, profile_by_weight, profile_ops, step_phases,  # noqa: E402
                          routed_experts_chosen, weight_bytes)
 
 BLOCK = 64
 HOST_PROFILE = False
 BY_WEIGHT = False
+PHASES = False
 
 
 def run_batch(model, batch: int, prompt: int, steps: int, rate: float, graphs: bool = True) -> dict:
     cfg = model.cfg
-    blocks = batch * (-(-(prompt + steps + 8) // BLOCK) + 1) + 8
+    blocks = batch * (-(-(prompt + 2 * steps + 12) // BLOCK) + 1) + 8
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", forward="batched", max_num_seqs=batch,
                         max_num_batched_tokens=4096, cuda_graphs=graphs)
     engine = Engine(model, ecfg, KVStoreConfig(block_size=BLOCK, num_blocks=blocks))
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 12, ignore_eos=True)  # timed, profiled, phases
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(f"r{i}", torch.randint(3, cfg.vocab_size - 1, (prompt,), generator=g).tolist(), params)
@@ -61,6 +62,7 @@ def run_batch(model, batch: int, prompt: int, steps: int, rate: float, graphs: b
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+    phases = step_phases(engine, torch.device("cuda"), steps) if PHASES and graphs else None
     ops = profile_ops(engine, torch.device("cuda"))
     by_weight = profile_by_weight(engine, torch.device("cuda"), rate) if BY_WEIGHT else None
     if HOST_PROFILE:
@@ -80,7 +82,8 @@ def run_batch(model, batch: int, prompt: int, steps: int, rate: float, graphs: b
             "ratio": round(step_ms / floor_ms, 2), "tokens_per_s": round(batch / step_ms * 1e3, 1),
             "weight_bytes": wb, "kv_bytes": kb, "prefill_s": round(prefill_s, 2),
             "experts_touched_per_layer": round(sum(chosen.values()) / max(len(chosen), 1), 2), "ops_ms": ops} | (
-                {"by_weight": by_weight} if by_weight is not None else {})
+                {"by_weight": by_weight} if by_weight is not None else {}) | (
+                {"phases_ms": phases} if phases is not None else {})
 
 
 def main() -> None:
@@ -96,10 +99,13 @@ def main() -> None:
     ap.add_argument("--by-weight", action="store_true",
                     help="one more step, eager, profiled per FP8 / invariant-linear weight shape and MoE layer "
                          "(device ms, calls, ratio to each call's byte floor): the rows' by_weight")
+    ap.add_argument("--phases", action="store_true",
+                    help="as many more steps, timed at the graph replay's edges (host phases, the replay's device "
+                         "time): the rows' phases_ms")
     ap.add_argument("--graphs", default="on", help="on | off | on,off: decode steps replayed from CUDA graphs")
     args = ap.parse_args()
-    global HOST_PROFILE, BY_WEIGHT
-    HOST_PROFILE, BY_WEIGHT = args.host_profile, args.by_weight
+    global HOST_PROFILE, BY_WEIGHT, PHASES
+    HOST_PROFILE, BY_WEIGHT, PHASES = args.host_profile, args.by_weight, args.phases
     rate = copy_rate(torch.device("cuda"))
     t = time.perf_counter()
     model = make_model(args.preset, torch.device("cuda"), args.formats)
@@ -119,6 +125,8 @@ def main() -> None:
         print(f"{r['batch']:>4} {str(r['cuda_graphs']):>6} {r['step_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['ratio']:>6.1f} {r['tokens_per_s']:>8.1f}")
         for k, v in list(r["ops_ms"].items())[:8]:
             print(f"      {v:8.3f} ms  {k}")
+        if "phases_ms" in r:
+            print("      phases ms: " + ", ".join(f"{k} {v}" for k, v in r["phases_ms"].items()))
         for k, v in list(r.get("by_weight", {}).items())[:12]:
             print(f"      {v.get('ms', 0):8.3f} ms  {v.get('calls', 0):4d} calls  {v.get('ratio', '-'):>6}x  {k}")
     if args.json:

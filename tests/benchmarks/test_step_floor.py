@@ -64,3 +64,35 @@ def test_profile_by_weight_labels_each_call_and_restores_the_model():
     assert rows["moe layer"]["calls"] == n_moe  # each layer once (encoder layers on the encoder rows, decoder ...)
     fp8 = [k for k in rows if k.startswith("fp8 ")]
     assert fp8 and all(rows[k]["calls"] > 0 and rows[k]["ratio"] > 0 for k in fp8)
+
+
+def test_step_phases_split_a_padded_step_and_restore_the_graphs():
+    """On the CPU the decode graphs run their padded program eagerly (``capture=False``): every timed step loads
+    and runs it once, the phases lie inside the step, and the patched methods are the originals afterwards."""
+    import torch
+
+    from _step_floor import step_phases
+    from flashtier.engine.config import EngineConfig
+    from flashtier.engine.engine import Engine
+    from flashtier.engine.model.init import random_model
+    from flashtier.engine.runner.decode_graphs import DecodeGraphs
+    from flashtier.engine.sample.params import SamplingParams
+    from flashtier.kvstore.config import KVStoreConfig
+
+    model = random_model(preset("tiny"), seed=0, dtype=torch.float32)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, forward="batched"), KVStoreConfig(block_size=16, num_blocks=64))
+    assert step_phases(engine, torch.device("cpu"), 1) == {"skipped": "no decode graphs"}
+    paged = engine.runner.paged
+    paged.graphs = graphs = DecodeGraphs(model, paged.views, engine.kvm.arena.pad_slot, paged.sources, capture=False,
+                                         max_rows=4)
+    for i in range(2):
+        engine.add_request(f"r{i}", [5 + i, 9, 11, 13], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill (eager: not decode-shaped)
+    runs = graphs.runs
+    out = step_phases(engine, torch.device("cpu"), 3)
+    assert graphs.runs == runs + 3 and out["steps"] == 3
+    assert "_load" not in vars(graphs) and "_program" not in vars(graphs)  # the instance patches are gone
+    parts = out["before_load"] + out["load"] + out["launch"] + out["after"]
+    assert all(out[k] >= 0 for k in ("before_load", "load", "launch", "after"))
+    assert out["replay_device"] == out["launch"] > 0  # on the CPU the program runs inside the call
+    assert parts <= out["step"] * 1.01 + 0.01  # medians of parts of one step: never more than the whole
