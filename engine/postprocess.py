@@ -83,7 +83,8 @@ class Postprocessor:
         if not rows:
             return
         out = self.sampler(logits[[r.row for r in rows]],
-                           [SamplerRow(r.request.params, r.seq.output, r.request.prompt, r.seq.generator) for r in rows],
+                           [SamplerRow(r.request.params, r.seq.output, r.request.penalty_prompt(logits.device),
+                                       r.seq.generator) for r in rows],
                            token_bitmask=grammar_bitmask([r.seq.grammar for r in rows], logits.shape[1]))
         now = time.monotonic()
         for j, (r, tok) in enumerate(zip(rows, out.token_ids.tolist())):

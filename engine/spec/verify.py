@@ -56,8 +56,8 @@ class SpecVerifier:
             first = result.logit_slice(i).start + w.rows - len(w.drafts) - 1
             for j in range(len(w.drafts) + 1):
                 index.append(first + j)
-                rows.append(SamplerRow(w.request.params, w.seq.output + list(w.drafts[:j]), w.request.prompt,
-                                       w.seq.generator))
+                rows.append(SamplerRow(w.request.params, w.seq.output + list(w.drafts[:j]),
+                                       w.request.penalty_prompt(result.logits.device), w.seq.generator))
         logits = result.logits[index]
         greedy_ids, probs = spec_accept.target_rows(logits, rows, self.eos_token_id)
         greedy = greedy_ids.tolist()

@@ -176,3 +176,30 @@ def test_bad_requests_are_value_errors(tiny64):
         eng.add_request("e", [10**9], SamplingParams())
     with pytest.raises(ValueError, match="context length"):
         eng.add_request("e", [5] * 10, SamplingParams(max_tokens=10**7))
+
+
+def test_repetition_penalty_reads_the_prompt_kept_on_the_device(tiny64, monkeypatch):
+    """With a repetition penalty the sampler reads each request's prompt as one tensor kept for the request
+    (``Request.penalty_prompt``), not a list copied every step; the tokens equal those from the list."""
+    from flashtier.engine.core.request import Request
+
+    on = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=2.0)
+    off = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = random_prompt(40, seed=41)
+    req = Request("x", prompt, on)
+    kept = req.penalty_prompt(torch.device("cpu"))
+    assert isinstance(kept, torch.Tensor) and kept.tolist() == prompt
+    assert req.penalty_prompt(torch.device("cpu")) is kept  # copied once
+    assert isinstance(Request("y", prompt, off).penalty_prompt(torch.device("cpu")), list)  # not read
+    seen = []
+    call = Sampler.__call__
+
+    def spy(self, logits, rows, **kw):
+        seen.extend(type(r.prompt_token_ids) for r in rows)
+        return call(self, logits, rows, **kw)
+
+    monkeypatch.setattr(Sampler, "__call__", spy)
+    got = run(make_engine(tiny64), [("a", prompt, on)])[("a", 0)]
+    assert len(seen) == 16 and set(seen) == {torch.Tensor}  # every step: the kept tensor
+    monkeypatch.setattr(Request, "penalty_prompt", lambda self, device: self.prompt)  # the list, every step
+    assert run(make_engine(tiny64), [("a", prompt, on)])[("a", 0)] == got
