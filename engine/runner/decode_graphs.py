@@ -81,6 +81,7 @@ class _Bucket:
     taps: tuple[int, ...] = ()  # layers whose block inputs the program returns (a speculative engine's)
     graph: torch.cuda.CUDAGraph | None = None
     out: StepOutputs | None = None
+    real_rows: int = 0  # rows the last load filled with a step's values; rows from there on hold the pad pattern
 
 
 def bucket_size(n: int, sizes: tuple[int, ...]) -> int | None:
@@ -92,8 +93,12 @@ def table_bucket(mb: int) -> int:
     return max(MIN_TABLE, 1 << max(0, mb - 1).bit_length())
 
 
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor, pad: torch.Tensor, b: int) -> None:
-    dst[b:].copy_(pad[b:])
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, pad: torch.Tensor, b: int, stale: int) -> None:
+    """Rows 0..b-1 of ``dst`` <- ``src``; rows b..stale-1 (real in an earlier, bigger step) <- the pad pattern.
+    Rows from ``stale`` on already hold it (the program never writes its inputs), so a steady batch copies its
+    real rows only."""
+    if stale > b:
+        dst[b:stale].copy_(pad[b:stale])
     if dst.dim() == 2 and dst.shape[1] != src.shape[1]:  # a block table narrower than the bucket's
         dst[:b, src.shape[1] :].zero_()
         dst[:b, : src.shape[1]].copy_(src)
@@ -206,17 +211,18 @@ class DecodeGraphs:
 
     def _load(self, bucket: _Bucket, step: DecodeStep) -> None:
         b = step.num_rows
+        stale, bucket.real_rows = bucket.real_rows, b
         pad_enc, pad_dec, pad_perm, pad_ids = bucket.pad
         for dst, src, pad in ((bucket.enc, step.enc, pad_enc), (bucket.dec, step.dec, pad_dec)):
             for name in _ROW_FIELDS:
-                _copy_rows(getattr(dst, name), getattr(src, name), getattr(pad, name), b)
+                _copy_rows(getattr(dst, name), getattr(src, name), getattr(pad, name), b, stale)
         for layer, w in bucket.enc.writes.items():
             for name in _WRITE_FIELDS:
                 if getattr(w, name) is not None:
                     _copy_rows(getattr(w, name), getattr(step.enc.writes[layer], name),
-                               getattr(pad_enc.writes[layer], name), b)
-        _copy_rows(bucket.ids, step.ids, pad_ids, b)
-        _copy_rows(bucket.perm, step.perm, pad_perm, b)
+                               getattr(pad_enc.writes[layer], name), b, stale)
+        _copy_rows(bucket.ids, step.ids, pad_ids, b, stale)
+        _copy_rows(bucket.perm, step.perm, pad_perm, b, stale)
         if bucket.feed:  # the Engram rows of the real rows, gathered from the host tables as the eager step does
             key = step.enc.ngram_tokens
             prefetch_engram(self.model, self.enc_layers, key, step.enc.ngram_tokens_host)
