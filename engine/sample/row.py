@@ -4,17 +4,46 @@ device copies of the rows' settings and token histories (without a host sync).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from flashtier.engine.sample.params import SamplingParams
 
-__all__ = ["SamplerRow", "TokenIds", "flat_history", "generator_for", "to_device"]
+__all__ = ["ExtendedTokens", "SamplerRow", "TokenIds", "flat_history", "generator_for", "to_device"]
 
 
 TokenIds = Sequence[int] | torch.Tensor
+
+
+class ExtendedTokens(Sequence[int]):
+    """``base`` followed by ``extra``, without copying ``base``: a verify step's history for draft position j is
+    the sequence's output plus drafts 1..j, and building that list for every row and position copied the whole
+    output each step (O(output) host work per row, for a history only the penalties read; min_tokens reads its
+    length). Reads ``base`` as it is when read: the caller must not mutate it meanwhile."""
+
+    __slots__ = ("base", "extra")
+
+    def __init__(self, base: Sequence[int], extra: Sequence[int]) -> None:
+        self.base, self.extra = base, tuple(extra)
+
+    def __len__(self) -> int:
+        return len(self.base) + len(self.extra)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("ExtendedTokens index out of range")
+        return self.base[i] if i < len(self.base) else self.extra[i - len(self.base)]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.base, self.extra)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from flashtier.engine.core.outputs import TokenLogprob
 from flashtier.engine.core.request import Request, Sequence
 from flashtier.engine.runner.runner import ModelRunnerOutput
 from flashtier.engine.sample.sampler import with_logprobs
-from flashtier.engine.sample.row import SamplerRow
+from flashtier.engine.sample.row import ExtendedTokens, SamplerRow
 from flashtier.engine.core.scheduler_output import DecoderKind, DecoderWork, SchedulerOutput
 from flashtier.engine.kv.rollback import keep_point, rollback
 from flashtier.engine.spec.stats import SpecStats
@@ -56,7 +56,7 @@ class SpecVerifier:
             first = result.logit_slice(i).start + w.rows - len(w.drafts) - 1
             for j in range(len(w.drafts) + 1):
                 index.append(first + j)
-                rows.append(SamplerRow(w.request.params, w.seq.output + list(w.drafts[:j]),
+                rows.append(SamplerRow(w.request.params, ExtendedTokens(w.seq.output, w.drafts[:j]),
                                        w.request.penalty_prompt(result.logits.device), w.seq.generator))
         logits = result.logits[index]
         greedy_ids, probs = spec_accept.target_rows(logits, rows, self.eos_token_id)

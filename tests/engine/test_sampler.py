@@ -15,7 +15,7 @@ from flashtier.engine.sample import sampler as sampler_module
 from flashtier.engine.sample.sampler import Sampler
 from flashtier.engine.sample.processors import apply_min_p
 from flashtier.engine.sample.processors import apply_penalties
-from flashtier.engine.sample.row import SamplerRow, generator_for
+from flashtier.engine.sample.row import ExtendedTokens, SamplerRow, generator_for
 from flashtier.engine.sample.params import SamplingParams
 
 N = 20_000
@@ -195,6 +195,28 @@ def test_penalties_accept_tensor_histories():
     logits = torch.tensor([BASE])
     apply_penalties(logits, rows)
     torch.testing.assert_close(logits[0], torch.tensor([1.0, -2.0, -1.0, -1.75, 3.0, 0.0]), rtol=0, atol=1e-7)
+
+
+def test_extended_tokens_read_as_the_concatenated_list():
+    base, extra = [4, 1, 4], (2, 4)
+    ext, want = ExtendedTokens(base, extra), base + list(extra)
+    assert len(ext) == 5 and list(ext) == want and [ext[i] for i in range(-5, 5)] == [want[i] for i in range(-5, 5)]
+    assert ext[1:4] == want[1:4] and ext.count(4) == 3 and 2 in ext
+    with pytest.raises(IndexError):
+        ext[5]
+    assert len(ExtendedTokens([], ())) == 0 and list(ExtendedTokens([], (7,))) == [7]
+
+
+def test_penalties_and_min_tokens_read_extended_histories_as_lists():
+    """A verify step's histories (output + drafts, spec/verify.py) give the same logits as the built list."""
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, min_tokens=4)
+    got, want = torch.tensor([BASE]), torch.tensor([BASE])
+    apply_penalties(got, [SamplerRow(params, ExtendedTokens(OUTPUT[:1], OUTPUT[1:]), PROMPT)])
+    apply_penalties(want, [SamplerRow(params, list(OUTPUT), PROMPT)])
+    assert torch.equal(got, want) and not torch.equal(got, torch.tensor([BASE]))
+    from flashtier.engine.sample.processors import apply_min_tokens
+    short = SamplerRow(params, ExtendedTokens([], (1, 2)))  # 2 < min_tokens: the stop token is masked
+    assert apply_min_tokens(torch.zeros(1, 6), [short], eos_token_id=3)[0, 3] == float("-inf")
 
 
 def test_penalties_steer_greedy_choice():
