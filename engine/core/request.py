@@ -111,7 +111,7 @@ class Request:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished_at: float | None = None
-    _prompt_on_device: torch.Tensor | None = field(default=None, repr=False)
+    _prompt_on_device: torch.Tensor | None = field(default=None, repr=False, init=False)  # penalty_prompt's copy
 
     @property
     def status(self) -> RequestStatus:

@@ -3,7 +3,8 @@
 Host work proportional to the number of sequences and rows (Python ints the scheduler already knows:
 positions, ring slots, write_from), plus one memcpy per sequence of its block table's int32 array (a 1M-token
 context has 16K blocks: converting them from the Python list took ~0.5 ms per sequence and part, 33 ms for 64
-sequences); one copy per field to the device, then the ``[T, W]`` window addressing is computed on the device. The forward reads the result in every layer.
+sequences); one copy per field to the device, then the ``[T, W]`` window addressing is computed on the
+device. The forward reads the result in every layer.
 """
 
 from __future__ import annotations
