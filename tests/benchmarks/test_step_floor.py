@@ -92,7 +92,9 @@ def test_step_phases_split_a_padded_step_and_restore_the_graphs():
     out = step_phases(engine, torch.device("cpu"), 3)
     assert graphs.runs == runs + 3 and out["steps"] == 3
     assert "_load" not in vars(graphs) and "_program" not in vars(graphs)  # the instance patches are gone
-    parts = out["before_load"] + out["load"] + out["launch"] + out["after"]
-    assert all(out[k] >= 0 for k in ("before_load", "load", "launch", "after"))
+    parts = ("before_load", "load", "launch", "after")
+    assert all(out[k] >= 0 for k in parts)
     assert out["replay_device"] == out["launch"] > 0  # on the CPU the program runs inside the call
-    assert parts <= out["step"] * 1.01 + 0.01  # medians of parts of one step: never more than the whole
+    # each part lies inside its step, so each part's median is at most the steps' median (medians of parts do
+    # not add up to the whole's: their sum is not bounded by it)
+    assert all(out[k] <= out["step"] for k in parts)
