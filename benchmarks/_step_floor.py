@@ -13,8 +13,10 @@ The benchmarks add ``benchmarks/`` to ``sys.path`` to import this module (they r
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
+from unittest import mock
 
 import torch
 
@@ -238,10 +240,10 @@ def step_phases(engine: Engine, device: torch.device, steps: int) -> dict[str, f
     marks: dict[str, float] = {}
     events: list = []
 
-    def timed(name, fn):
+    def timed(name, fn, device_events=False):
         def wrapped(*args, **kwargs):
             marks[name + "0"] = time.perf_counter()
-            if name == "run" and cuda:
+            if device_events:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 out = fn(*args, **kwargs)
@@ -253,17 +255,14 @@ def step_phases(engine: Engine, device: torch.device, steps: int) -> dict[str, f
             return out
         return wrapped
 
-    saved_load = graphs._load
-    graphs._load = timed("load", saved_load)
-    own_replay = "replay" in vars(torch.cuda.CUDAGraph)  # else inherited from the C base class
-    if cuda:
-        saved_replay = torch.cuda.CUDAGraph.replay
-        torch.cuda.CUDAGraph.replay = timed("run", saved_replay)
-    else:
-        saved_program = graphs._program
-        graphs._program = timed("run", saved_program)
     rows: dict[str, list[float]] = defaultdict(list)
-    try:
+    with contextlib.ExitStack() as patches:  # every patch undone on exit (an inherited attribute deleted again)
+        patches.enter_context(mock.patch.object(graphs, "_load", timed("load", graphs._load)))
+        if cuda:
+            replay = torch.cuda.CUDAGraph.replay
+            patches.enter_context(mock.patch.object(torch.cuda.CUDAGraph, "replay", timed("run", replay, True)))
+        else:
+            patches.enter_context(mock.patch.object(graphs, "_program", timed("run", graphs._program)))
         for _ in range(steps):
             marks.clear()
             events.clear()
@@ -280,14 +279,6 @@ def step_phases(engine: Engine, device: torch.device, steps: int) -> dict[str, f
             rows["step"].append(t1 - t0)
             rows["replay_device"].append(events[0][0].elapsed_time(events[0][1]) / 1e3 if cuda
                                          else marks["run1"] - marks["run0"])
-    finally:
-        del graphs._load  # the instance attributes go: the class's methods are found again
-        if cuda and own_replay:
-            torch.cuda.CUDAGraph.replay = saved_replay
-        elif cuda:
-            del torch.cuda.CUDAGraph.replay
-        else:
-            del graphs._program
     if not rows:
         return {"skipped": "no step replayed a graph"}
     out = {k: round(sorted(v)[len(v) // 2] * 1e3, 3) for k, v in rows.items()}

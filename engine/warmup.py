@@ -102,7 +102,7 @@ def _long_prompts(engine: Engine) -> tuple[int, ...]:
 
 def _prepare_speculative_graphs(engine: Engine) -> tuple[int, float]:
     """A speculative engine's verify buckets, one per graph row size, and its drafter's graphs, one per sequence
-    bucket and draft length (module docstring): (made, seconds)."""
+    bucket, draft length and greedy / sampled (module docstring): (made, seconds)."""
     paged, taps = engine.runner.paged, engine.runner.taps
     graphs = paged.graphs if paged is not None else None
     if graphs is None or not taps:
@@ -113,8 +113,9 @@ def _prepare_speculative_graphs(engine: Engine) -> tuple[int, float]:
     if drafts is not None:
         made += sum(drafts.prepare(rows, k, sampled) for rows in drafts.sizes
                     for k in range(1, engine.drafter.depth + 1) for sampled in (False, True))
-    log.info("warm-up: %d verify and draft graphs in %.2f s", made, time.monotonic() - t0)
-    return made, time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    log.info("warm-up: %d verify and draft graphs in %.2f s", made, seconds)
+    return made, seconds
 
 
 def warm_up(engine: Engine, sizes: tuple[int, ...] | None = None) -> WarmUpReport:

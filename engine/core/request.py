@@ -19,6 +19,7 @@ from flashtier.engine.core.outputs import ResumeInfo, TokenLogprob
 from flashtier.engine.kv.paged_kv import PagedSequence
 from flashtier.engine.core.request_state import RequestStatus
 from flashtier.engine.sample.params import SamplingParams
+from flashtier.engine.sample.row import to_device
 from flashtier.kvstore.block_hash import BlockHash
 
 if TYPE_CHECKING:
@@ -129,9 +130,7 @@ class Request:
         if self.params.repetition_penalty == 1.0:
             return self.prompt
         if self._prompt_on_device is None or self._prompt_on_device.device != torch.device(device):
-            host = torch.tensor(self.prompt, dtype=torch.long)
-            cuda = torch.device(device).type == "cuda"
-            self._prompt_on_device = (host.pin_memory() if cuda else host).to(device, non_blocking=cuda)
+            self._prompt_on_device = to_device(self.prompt, torch.long, torch.device(device))
         return self._prompt_on_device
 
     @property

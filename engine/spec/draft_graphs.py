@@ -123,6 +123,15 @@ def draw_noise(generators, k: int, vocab: int, device: torch.device) -> torch.Te
     return out.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+def sampling_tensors(rows: int, k: int, vocab: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sampled_drafts``' input tensors for ``rows`` rows, every row greedy: noise [rows, k, V] of ones,
+    temperature [rows] of ones, the sampled mask [rows] all False (``fill_sampling`` writes the drawing rows)."""
+    noise = torch.ones(rows, k, vocab, dtype=torch.float32, device=device)
+    temperature = torch.ones(rows, dtype=torch.float32, device=device)
+    return noise, temperature, torch.zeros(rows, dtype=torch.bool, device=device)
+
+
 def fill_sampling(sampling: DraftSampling, noise: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor
                   ) -> None:
     """Write ``sampled_drafts``' inputs in place: the sampling rows' noise (``noise`` [rows, >= k, V]; the other
@@ -142,9 +151,7 @@ def propose_rows(model, x: torch.Tensor, last: torch.Tensor, k: int, sampling: D
     ``sampling``'s rows drawing (q of every row returned). Reads only."""
     if sampling is None:
         return greedy_drafts(model, x, last, k)
-    b, dev = last.numel(), last.device
-    noise = torch.ones(b, k, model.cfg.vocab_size, dtype=torch.float32, device=dev)
-    temperature, mask = torch.empty(b, dtype=torch.float32, device=dev), torch.empty(b, dtype=torch.bool, device=dev)
+    noise, temperature, mask = sampling_tensors(last.numel(), k, model.cfg.vocab_size, last.device)
     fill_sampling(sampling, noise, temperature, mask)
     return sampled_drafts(model, x, last, k, noise, temperature, mask)
 
@@ -223,11 +230,9 @@ class DraftGraphs:
     def _sampling_buffers(self, bucket: _Bucket) -> None:
         """The bucket's sampled-graph buffers, made once: noise and q [Bb, depth, V], every row greedy."""
         if bucket.noise is None:
-            size, dev = bucket.last.numel(), bucket.last.device
-            bucket.noise = torch.ones(size, self.depth, self.model.cfg.vocab_size, dtype=torch.float32, device=dev)
+            bucket.noise, bucket.temperature, bucket.sampled = sampling_tensors(
+                bucket.last.numel(), self.depth, self.model.cfg.vocab_size, bucket.last.device)
             bucket.q = torch.zeros_like(bucket.noise)
-            bucket.temperature = torch.ones(size, dtype=torch.float32, device=dev)
-            bucket.sampled = torch.zeros(size, dtype=torch.bool, device=dev)
 
     def _bucket(self, size: int) -> _Bucket:
         bucket = self._buckets.get(size)
